@@ -1,0 +1,100 @@
+"""The ``vllm.general_plugins`` entry point.
+
+vLLM calls :func:`register` in every process it starts (the front end, the
+engine core, each worker, the model-inspection subprocess), sometimes more than
+once, before any engine config exists. So it must be cheap, idempotent and
+side-effect free beyond this: it checks the vLLM version, then arranges for the
+front-end seams (``seams.py``) to be installed when, and only when, the vLLM
+module that holds each one is imported in this process. Worker seams are
+installed by the worker extension, which only workers import.
+
+It never starts anything, never imports torch models, and never changes a
+request that carries no block.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import logging
+import os
+import sys
+from typing import Any, Callable
+
+logger = logging.getLogger("vllm_nnsight_plugin")
+
+_DONE = False
+_PENDING: dict[str, list[Callable[[], None]]] = {}
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs callbacks right after a named module finishes importing."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name not in _PENDING:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        original = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            original(module)
+            _run(name)
+
+        spec.loader = _Loader(loader, exec_module)
+        return spec
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, inner: Any, exec_module: Callable[[Any], None]) -> None:
+        self._inner = inner
+        self.exec_module = exec_module  # type: ignore[method-assign]
+
+    def create_module(self, spec: Any) -> Any:
+        return self._inner.create_module(spec)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def _run(name: str) -> None:
+    for callback in _PENDING.pop(name, ()):
+        callback()
+
+
+def when_imported(name: str, callback: Callable[[], None]) -> None:
+    """Call ``callback`` now if ``name`` is imported, else right after it is."""
+    if name in sys.modules:
+        callback()
+        return
+    _PENDING.setdefault(name, []).append(callback)
+    if not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport())
+
+
+def register() -> None:
+    """Entry point: see the module docstring."""
+    global _DONE
+    if _DONE:
+        return
+    _DONE = True
+    if os.environ.get("VLLM_NNSIGHT_DISABLE", "").strip().lower() in ("1", "true", "yes"):
+        logger.info("vllm-nnsight: disabled by VLLM_NNSIGHT_DISABLE")
+        return
+    from . import seams
+    from .versions import check_vllm
+
+    version = check_vllm()
+    when_imported("vllm.engine.arg_utils", seams.patch_engine_args)
+    when_imported("vllm.v1.engine.input_processor", seams.patch_input_processor)
+    when_imported("vllm.v1.engine.llm_engine", seams.patch_llm_engine)
+    logger.debug("vllm-nnsight: registered on vLLM %s (pid %d)", version, os.getpid())

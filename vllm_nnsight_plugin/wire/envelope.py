@@ -1,0 +1,164 @@
+"""The envelope: how a block travels from the client to the worker, and nothing else.
+
+A block is nnsight's serialized ``Mediator`` (its source, its captured names).
+It rides a stock ``SamplingParams.extra_args`` entry, which vLLM carries from the
+front end to every worker untouched, and which the OpenAI server fills from
+``vllm_xargs``. Over HTTP those values must be strings, so the envelope is one
+ASCII string: a short prefix, then base64 of a JSON document.
+
+The JSON document is validated by pydantic in :func:`open_envelope`, the one
+place a worker decodes anything a client sent. It carries:
+
+- ``v``: the envelope format version. A worker refuses a version it does not
+  speak, with a message naming both versions.
+- ``nnsight``: the nnsight version that serialized the block. The payload is
+  nnsight's own pickle of its classes, which only the same version can read.
+- ``plugin``: the client's plugin version, for error messages.
+- ``payload``: base64 of the serialized block.
+- ``sig``/``expires``/``nonce``: room for an operator's signature. The offline
+  path needs none; the server integration checks them.
+
+Sizes are bounded before anything is decoded (:class:`Limits`).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import os
+import time
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+#: The ``extra_args`` key (and ``vllm_xargs`` key) a block rides under.
+EXTRA_ARGS_KEY = "nnsight"
+#: Format version this code writes and reads.
+ENVELOPE_VERSION = 1
+_PREFIX = "nns1:"
+
+
+class EnvelopeError(ValueError):
+    """A request's envelope was refused; the message says why and what to do."""
+
+
+class Limits(BaseModel):
+    """Size limits a worker enforces per request.
+
+    Environment variables override the defaults in the engine's processes:
+    ``VLLM_NNSIGHT_MAX_PAYLOAD_BYTES`` and ``VLLM_NNSIGHT_MAX_SAVE_BYTES``.
+    """
+
+    max_payload_bytes: int = 64 * 1024 * 1024
+    max_save_bytes: int = 1024 * 1024 * 1024
+
+    @classmethod
+    def from_env(cls) -> "Limits":
+        values = {}
+        for field, var in (
+            ("max_payload_bytes", "VLLM_NNSIGHT_MAX_PAYLOAD_BYTES"),
+            ("max_save_bytes", "VLLM_NNSIGHT_MAX_SAVE_BYTES"),
+        ):
+            if os.environ.get(var):
+                values[field] = int(os.environ[var])
+        return cls(**values)
+
+
+class Envelope(BaseModel):
+    """The decoded document; see the module docstring for each field."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    v: int
+    nnsight: str
+    plugin: str
+    payload: str = Field(min_length=1)
+    created: float = 0.0
+    expires: Optional[float] = None
+    nonce: Optional[str] = None
+    sig: Optional[str] = None
+
+    def block_bytes(self) -> bytes:
+        try:
+            return base64.b64decode(self.payload, validate=True)
+        except (binascii.Error, ValueError) as error:
+            raise EnvelopeError(f"the envelope's payload is not valid base64 ({error})") from None
+
+
+def seal(block: bytes, *, nnsight_version: str, plugin_version: str) -> str:
+    """Wrap a serialized block into the string that rides ``extra_args``."""
+    document = Envelope(
+        v=ENVELOPE_VERSION,
+        nnsight=nnsight_version,
+        plugin=plugin_version,
+        payload=base64.b64encode(block).decode("ascii"),
+        created=time.time(),
+    )
+    raw = json.dumps(document.model_dump(exclude_none=True), separators=(",", ":"))
+    return _PREFIX + base64.b64encode(raw.encode("utf-8")).decode("ascii")
+
+
+def open_envelope(
+    value: object,
+    *,
+    nnsight_version: str,
+    plugin_version: str,
+    limits: Limits | None = None,
+) -> Envelope:
+    """Check and decode an envelope; raise :class:`EnvelopeError` with the reason.
+
+    Nothing in the payload is executed here: this only validates framing, size
+    and versions, so a refusal provably runs none of the sender's code.
+    """
+    limits = limits or Limits()
+    if isinstance(value, bytes):
+        value = value.decode("ascii", errors="replace")
+    if not isinstance(value, str):
+        raise EnvelopeError(
+            f"extra_args[{EXTRA_ARGS_KEY!r}] must be the string made by "
+            f"vllm_nnsight_plugin (got {type(value).__name__}). Build requests with "
+            "VLLM.trace or vllm_nnsight_plugin.sampling_params."
+        )
+    # base64 inflates by 4/3; bound the string before decoding anything.
+    if len(value) > limits.max_payload_bytes * 4 // 3 + 1024:
+        raise EnvelopeError(
+            f"the block is {len(value)} bytes encoded, over this engine's limit of "
+            f"{limits.max_payload_bytes} bytes (VLLM_NNSIGHT_MAX_PAYLOAD_BYTES). Send "
+            "large tensors as saves of an earlier trace, or raise the limit."
+        )
+    if not value.startswith(_PREFIX):
+        raise EnvelopeError(
+            f"extra_args[{EXTRA_ARGS_KEY!r}] is not a vllm-nnsight envelope (it should "
+            f"start with {_PREFIX!r}); it may be corrupt or come from another tool."
+        )
+    try:
+        raw = base64.b64decode(value[len(_PREFIX) :], validate=True)
+        document = json.loads(raw)
+    except (binascii.Error, ValueError) as error:
+        raise EnvelopeError(f"the envelope is corrupt: {error}") from None
+    if isinstance(document, dict) and document.get("v") != ENVELOPE_VERSION:
+        raise EnvelopeError(
+            f"the envelope is format version {document.get('v')!r} (client plugin "
+            f"{document.get('plugin')!r}); this engine reads version {ENVELOPE_VERSION} "
+            f"(plugin {plugin_version}). Install the same vllm-nnsight-plugin version "
+            "on the client and the server."
+        )
+    try:
+        envelope = Envelope.model_validate(document)
+    except ValidationError as error:
+        raise EnvelopeError(f"the envelope is malformed: {error}") from None
+    if envelope.nnsight != nnsight_version:
+        raise EnvelopeError(
+            f"the block was written with nnsight {envelope.nnsight} but this engine runs "
+            f"nnsight {nnsight_version}; nnsight can only read blocks from its own "
+            f"version. Install nnsight=={nnsight_version} on the client."
+        )
+    if envelope.expires is not None and envelope.expires < time.time():
+        raise EnvelopeError("the envelope has expired; build the request again.")
+    if len(envelope.payload) > limits.max_payload_bytes * 4 // 3 + 4:
+        raise EnvelopeError(
+            f"the block is over this engine's limit of {limits.max_payload_bytes} bytes "
+            "(VLLM_NNSIGHT_MAX_PAYLOAD_BYTES)."
+        )
+    return envelope

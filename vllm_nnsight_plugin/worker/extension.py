@@ -1,0 +1,65 @@
+"""The worker extension: what the front end can call on each worker by name.
+
+vLLM mixes this class into its ``Worker`` (``worker_extension_cls``), so its
+methods are reachable through ``collective_rpc``. Importing this module happens
+in the worker processes only, when vLLM resolves that class, which makes it the
+place where the runner seam is installed.
+
+vLLM has one extension slot. When the user already set a class of their own, the
+front end configures ``With_<hex>`` instead, a name this module answers by
+building a class that derives from both, so neither is lost.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .. import seams
+from .runtime import WorkerRuntime
+
+_RUNTIME = "_vllm_nnsight_runtime"
+
+
+def runtime_of(runner: Any) -> WorkerRuntime:
+    runtime = runner.__dict__.get(_RUNTIME)
+    if runtime is None:
+        runtime = runner.__dict__[_RUNTIME] = WorkerRuntime(runner)
+    return runtime
+
+
+def _on_step(runner: Any, scheduler_output: Any) -> None:
+    runtime_of(runner).begin_step(scheduler_output)
+
+
+def _on_step_failed(runner: Any) -> None:
+    runtime_of(runner).abandon_step()
+
+
+seams.patch_model_runner(_on_step, _on_step_failed)
+
+
+class NNsightWorkerExtension:
+    """RPC endpoints; names are prefixed so they cannot clash with ``Worker``'s."""
+
+    def nnsight_collect(self, request_ids: list[str], outputs: bytes | None = None) -> bytes | None:
+        return runtime_of(self.model_runner).collect(request_ids, outputs)
+
+    def nnsight_tracked(self) -> int:
+        return runtime_of(self.model_runner).tracked()
+
+
+def composed_name(user_qualname: str) -> str:
+    """The qualified name that resolves to ``user class + NNsightWorkerExtension``."""
+    return f"{__name__}.With_{user_qualname.encode('utf-8').hex()}"
+
+
+def __getattr__(name: str) -> Any:
+    if not name.startswith("With_"):
+        raise AttributeError(name)
+    qualname = bytes.fromhex(name[len("With_") :]).decode("utf-8")
+    module_name, _, class_name = qualname.rpartition(".")
+    user = getattr(importlib.import_module(module_name), class_name)
+    composed = type(name, (user, NNsightWorkerExtension), {"__module__": __name__})
+    globals()[name] = composed
+    return composed

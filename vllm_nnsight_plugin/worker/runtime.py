@@ -1,0 +1,284 @@
+"""The worker side: run each request's block against the live model, step by step.
+
+A *step* is one call of the runner's ``execute_model`` then its sampler. In a step
+vLLM packs every scheduled request's new tokens into one ``[tokens, ...]`` slab.
+A block belongs to one request, so each step it must be pointed at its own rows.
+
+nnsight already knows how to run a block next to a forward (its ``Mediator`` and
+``Interleaver``) and how to narrow a slab to one request's rows (``VLLMBatcher``,
+``Requests.scope``); this module reuses that machinery and drives it with three
+plain torch hooks instead of a replacement model runner:
+
+- a forward pre-hook on the root model starts the step: it admits new requests
+  (opening their envelopes), reads the step layout, and opens the interleaver;
+- a forward pre-hook on ``runner.sampler`` serves ``model.logits``;
+- a forward hook on ``runner.sampler`` serves ``model.samples``, ends any
+  request whose block raised, and snapshots what each block saved.
+
+The nnsight tree over the live model is built only when the first request with
+a block arrives, so an engine that never sees one is never instrumented.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .. import seams
+from ..versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT
+from ..wire.envelope import EXTRA_ARGS_KEY, EnvelopeError, Limits, open_envelope
+
+logger = logging.getLogger("vllm_nnsight_plugin")
+
+
+class ChunkedPromptError(RuntimeError):
+    """A block's prompt was split across steps by chunked prefill."""
+
+
+class SaveLimitError(RuntimeError):
+    """A request's saves were over the engine's limit."""
+
+
+class CompiledForwardError(RuntimeError):
+    """A block asked for a module location on an engine whose forward is compiled."""
+
+
+class WorkerRuntime:
+    """Per-runner state: the nnsight tree, the requests with blocks, this step's layout.
+
+    The attribute names ``nnsight_model`` and ``nnsight_requests`` are the ones
+    nnsight's own runner uses, so its step and collection methods run on this
+    object unchanged.
+    """
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self.nnsight_model: Any = None
+        self.nnsight_requests: Any = None
+        self.persistent: dict = {}
+        self.limits = Limits.from_env()
+        self.eager = seams.engine_is_eager(runner.vllm_config)
+        self.scheduler_output: Any = None
+        self.in_step = False
+        self.open = False  # the interleaver is entered for this step's forward
+        self.rows: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ setup
+    def _build(self) -> None:
+        """Wrap the live module in nnsight's tree and hook the runner (once)."""
+        from nnsight.modeling.vllm.batching import VLLMBatcher
+        from nnsight.modeling.vllm.fragments import VLLMFragments
+        from nnsight.modeling.vllm.interleaver import VLLMInterleaver
+        from nnsight.modeling.vllm.model_runners.GPUModelRunner import Requests
+        from nnsight.modeling.vllm.vllm import VLLM as NNsightVLLM
+        from vllm.tokenizers import cached_tokenizer_from_config
+
+        runner = self.runner
+        module = runner.get_model()
+        model = NNsightVLLM(module, interleaver=VLLMInterleaver((), fragments=VLLMFragments()))
+        model.tokenizer = cached_tokenizer_from_config(runner.model_config)
+        model.interleaver.batcher = VLLMBatcher(None)
+        # A block's error ends its own request, never the engine.
+        model.interleaver.defer_exceptions = True
+        self.nnsight_model = model
+        self.nnsight_requests = Requests()
+        self.persistent = model._remoteable_persistent_objects()
+        module.register_forward_pre_hook(self._on_forward)
+        runner.sampler.register_forward_pre_hook(self._on_logits, with_kwargs=True)
+        runner.sampler.register_forward_hook(self._on_samples)
+        logger.info("vllm-nnsight: instrumented %s (%s forward)", type(module).__name__,
+                    "eager" if self.eager else "compiled")
+
+    # ------------------------------------------------------------------ step
+    def begin_step(self, scheduler_output: Any) -> None:
+        """Called by the runner before each real step (see ``seams``)."""
+        if self.open:  # a step whose sampler never ran: close what it opened
+            self.abandon_step()
+        self.scheduler_output = scheduler_output
+        new = getattr(scheduler_output, "scheduled_new_reqs", ())
+        if self.nnsight_model is None and any(
+            seams.carries_block(getattr(data, "sampling_params", None)) for data in new
+        ):
+            self._build()
+        self.in_step = self.nnsight_model is not None
+
+    def abandon_step(self) -> None:
+        """The step raised: close the interleaver so nothing leaks into the next."""
+        if self.open:
+            self.nnsight_model.interleaver.__exit__(None, None, None)
+            self.open = False
+        self.in_step = False
+
+    def _admit(self, new_requests: Any) -> None:
+        """Take the block off each new request that carries one.
+
+        A refused envelope or a block that fails to load is that request's error,
+        reported on its output; it never reaches ``execute_model``'s caller.
+        """
+        from nnsight.intervention.errors import capture_exception
+        from nnsight.intervention.serialization import loads
+        from nnsight.modeling.vllm.model_runners.GPUModelRunner import Request
+
+        requests = self.nnsight_requests.requests
+        for data in new_requests:
+            params = getattr(data, "sampling_params", None)
+            if not seams.carries_block(params) or data.req_id in requests:
+                continue
+            request = requests[data.req_id] = Request(data.req_id)
+            try:
+                envelope = open_envelope(
+                    params.extra_args[EXTRA_ARGS_KEY],
+                    nnsight_version=SUPPORTED_NNSIGHT,
+                    plugin_version=PLUGIN_VERSION,
+                    limits=self.limits,
+                )
+                request.mediator = loads(envelope.block_bytes(), persistent_objects=self.persistent)
+            except EnvelopeError as error:
+                request.error = capture_exception(error)
+            except Exception as error:  # a payload nnsight cannot load
+                request.error = capture_exception(
+                    EnvelopeError(f"the block could not be loaded on the engine: {error!r}")
+                )
+
+    def _refuse_chunked(self, spans: list[tuple[str, int]]) -> None:
+        from nnsight.intervention.errors import capture_exception
+
+        for request_id, scheduled in spans:
+            request = self.nnsight_requests.requests.get(request_id)
+            if request is None or request.mediator is None:
+                continue
+            state = seams.request_state(self.runner, request_id)
+            if state is None or state.num_computed_tokens + scheduled >= state.num_prompt_tokens:
+                continue
+            request.error = capture_exception(
+                ChunkedPromptError(
+                    f"this request's {state.num_prompt_tokens}-token prompt was split across "
+                    f"engine steps by chunked prefill ({scheduled} tokens in this step), so "
+                    "its block could not see the prompt whole. Raise max_num_batched_tokens "
+                    "above the prompt length, or build the engine with "
+                    "enable_chunked_prefill=False."
+                )
+            )
+            request.mediator = None
+            request.copies = {}
+
+    def _on_forward(self, module: Any, args: Any) -> None:
+        if not self.in_step or self.open:
+            return None
+        from nnsight.tracing.tracer import _local, _saves, inc
+
+        requests = self.nnsight_requests
+        self._admit(getattr(self.scheduler_output, "scheduled_new_reqs", ()))
+        if not requests.requests:
+            # Nothing in flight: no pending save can matter, so bound the
+            # thread-local save set nnsight keys by object id.
+            _saves().clear()
+            return None
+        if not getattr(_local, "depth", 0):
+            inc()  # a block's .save() needs an open trace scope on this thread
+        layout = seams.StepLayout(self.runner)
+        spans = layout.spans()
+        self.rows = {rid: row for row, rid in enumerate(layout.req_ids)}
+        self._refuse_chunked(spans)
+        interleaver = self.nnsight_model.interleaver
+        interleaver.mediators = []
+        interleaver.__enter__()
+        self.open = True
+        requests.scope(self.nnsight_model, spans)
+        return None
+
+    def _on_logits(self, module: Any, args: Any, kwargs: Any) -> Any:
+        if not self.open:
+            return None
+        from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner as R
+
+        model = self.nnsight_model
+        self.nnsight_requests.unflatten(model)
+        model.interleaver.__exit__(None, None, None)  # the forward is over
+        logits = kwargs["logits"] if "logits" in kwargs else args[0]
+        R._still_running(self)
+        new = type(model).logits.provide(model, logits)
+        # The sampler scales logits in place; a block's read must not see that.
+        new = new.clone()
+        if "logits" in kwargs:
+            return args, {**kwargs, "logits": new}
+        return (new, *args[1:]), kwargs
+
+    def _on_samples(self, module: Any, args: Any, output: Any) -> Any:
+        if not self.open:
+            return None
+        from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner as R
+
+        self.open = False
+        self.in_step = False
+        model = self.nnsight_model
+        R._still_running(self)
+        output.sampled_token_ids = type(model).samples.provide(model, output.sampled_token_ids)
+        R._finish_erred(self, output)
+        self._finish_refused(output)
+        self.nnsight_requests.record_saves()
+        return output
+
+    def _finish_refused(self, output: Any) -> None:
+        """End requests whose block never started (refused envelope, chunked prompt)."""
+        eos = getattr(self.nnsight_model.tokenizer, "eos_token_id", None)
+        if eos is None:
+            return
+        for request_id, request in self.nnsight_requests.requests.items():
+            if request.error is not None and request.mediator is None and request_id in self.rows:
+                output.sampled_token_ids[self.rows[request_id]] = eos
+
+    # ------------------------------------------------------------------ collect
+    def collect(self, request_ids: list[str], outputs: bytes | None) -> bytes | None:
+        """Wind up finished requests' blocks and return their saves and errors.
+
+        ``outputs`` are the finished ``RequestOutput`` objects (pickled), which
+        serve ``tracer.result``; None only winds up (an aborted request).
+        """
+        if self.nnsight_requests is None:
+            return None
+        import pickle
+
+        from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner as R
+
+        finished = pickle.loads(outputs) if outputs else None
+        reply = R.collect_nnsight(self, request_ids, request_ids, finished)
+        if not self.eager or len(reply) > self.limits.max_save_bytes:
+            reply = self._review(pickle.loads(reply))
+        return reply
+
+    def _review(self, collected: dict) -> bytes:
+        """Refuse oversize saves, and on a compiled engine say why a module location
+        was never reached. Runs only when one of the two can apply."""
+        import pickle
+
+        from nnsight.intervention.errors import capture_exception
+        from nnsight.modeling.vllm.collect import dumps_compact
+
+        for request_id, entry in collected.items():
+            size = len(dumps_compact(entry))
+            if size > self.limits.max_save_bytes:
+                entry["saves"], entry["registered"], entry["sequences"] = {}, {}, {}
+                entry["error"] = capture_exception(
+                    SaveLimitError(
+                        f"request {request_id} saved {size} bytes, over this engine's limit "
+                        f"of {self.limits.max_save_bytes} (VLLM_NNSIGHT_MAX_SAVE_BYTES). Save "
+                        "less (a slice, a reduction), or split the work over several traces."
+                    )
+                )
+            error = entry.get("error")
+            if not self.eager and error is not None and "OutOfOrder" in repr(error):
+                entry["error"] = capture_exception(
+                    CompiledForwardError(
+                        "this engine compiles the model's forward (torch.compile or CUDA "
+                        "graphs), where module hooks do not fire, so a module location was "
+                        "never reached. model.logits and model.samples work on any engine; "
+                        "for module locations build the engine with enforce_eager=True."
+                    )
+                )
+        return pickle.dumps(collected)
+
+    def tracked(self) -> int:
+        """How many requests' blocks this worker still holds (a leak gauge)."""
+        return 0 if self.nnsight_requests is None else len(self.nnsight_requests.requests)
+
