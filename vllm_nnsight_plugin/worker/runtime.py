@@ -66,18 +66,19 @@ class WorkerRuntime:
     # ------------------------------------------------------------------ setup
     def _build(self) -> None:
         """Wrap the live module in nnsight's tree and hook the runner (once)."""
-        from nnsight.modeling.vllm.batching import VLLMBatcher
         from nnsight.modeling.vllm.fragments import VLLMFragments
         from nnsight.modeling.vllm.interleaver import VLLMInterleaver
         from nnsight.modeling.vllm.model_runners.GPUModelRunner import Requests
         from nnsight.modeling.vllm.vllm import VLLM as NNsightVLLM
         from vllm.tokenizers import cached_tokenizer_from_config
 
+        from .batching import CheckedBatcher
+
         runner = self.runner
         module = runner.get_model()
         model = NNsightVLLM(module, interleaver=VLLMInterleaver((), fragments=VLLMFragments()))
         model.tokenizer = cached_tokenizer_from_config(runner.model_config)
-        model.interleaver.batcher = VLLMBatcher(None)
+        model.interleaver.batcher = CheckedBatcher(None)
         # A block's error ends its own request, never the engine.
         model.interleaver.defer_exceptions = True
         self.nnsight_model = model

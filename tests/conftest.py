@@ -1,0 +1,66 @@
+"""Shared engines: starting one costs about a minute on this CPU, so each model's
+engine is started once per test session (or per module, where a test needs
+different engine settings) and shut down when it is no longer needed."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+
+# One engine at a time uses both cores; keep the client's torch from competing.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+ENGINE_DEFAULTS = dict(
+    dtype="float32",
+    max_model_len=512,
+    gpu_memory_utilization=0.3,
+    max_num_seqs=16,
+    enforce_eager=True,
+)
+
+
+def start_llm(path: str, **overrides):
+    """A stock ``vllm.LLM``: nothing plugin-specific is passed."""
+    from vllm import LLM
+
+    return LLM(path, **{**ENGINE_DEFAULTS, **overrides})
+
+
+def stop_llm(llm) -> None:
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    del llm
+    gc.collect()
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    from vllm_nnsight_plugin.models.smollm2 import smollm2_path
+
+    return smollm2_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(smollm2_path):
+    llm = start_llm(smollm2_path)
+    yield llm
+    stop_llm(llm)
+
+
+@pytest.fixture(scope="session")
+def smol(smollm2_llm):
+    """The client, wrapping the stock LLM above."""
+    from vllm_nnsight_plugin import VLLM
+
+    return VLLM(smollm2_llm)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_path(tmp_path_factory) -> str:
+    from tests.tiny_models import build_tiny_qwen3
+
+    return build_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"))

@@ -1,0 +1,222 @@
+"""The user docs' behaviours, on a stock ``vllm.LLM`` serving SmolLM2 (real weights)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm import SamplingParams
+
+import vllm_nnsight_plugin
+from vllm_nnsight_plugin import VLLM, BlockError
+
+PROMPT = "The capital of France is"
+
+
+def plain_tokens(llm, prompt, n=8):
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n), use_tqdm=False)
+    return list(out[0].outputs[0].token_ids)
+
+
+def test_read_one_activation(smol):
+    with smol.trace(PROMPT, temperature=0.0):
+        resid = smol.model.layers[10].output[0].clone().save()
+        logits = smol.logits.save()
+    assert tuple(resid.shape) == (5, 576)
+    assert tuple(logits.shape) == (1, 49152)
+    assert smol.tokenizer.decode(logits.argmax(-1)) == " Paris"
+
+
+def test_shapes_per_step(smol):
+    with smol.trace(PROMPT, temperature=0.0, max_tokens=3) as tracer:
+        shapes = list().save()
+        for _ in tracer.iter[:3]:
+            shapes.append((tuple(smol.model.layers[10].output[0].shape), tuple(smol.logits.shape)))
+    assert shapes == [((5, 576), (1, 49152)), ((1, 576), (1, 49152)), ((1, 576), (1, 49152))]
+
+
+def test_residual_stream_is_the_pair_sum(smol):
+    with smol.trace(PROMPT, temperature=0.0):
+        hidden, residual = smol.model.layers[10].output
+        stream = (hidden + residual).save()
+        nxt = smol.model.layers[11].input_layernorm.output[1].clone().save()
+    # The next layer's fused add-norm returns the same stream as its residual.
+    torch.testing.assert_close(stream, nxt, rtol=1e-5, atol=1e-5)
+
+
+def test_steering_changes_tokens_and_leaves_plain_requests_alone(smol, smollm2_llm):
+    before = plain_tokens(smollm2_llm, PROMPT, 12)
+    torch.manual_seed(0)
+    vector = torch.randn(576)
+    vector = vector / vector.norm()
+    with smol.trace(PROMPT, temperature=0.0, max_tokens=12) as tracer:
+        for _ in tracer.iter[:12]:
+            smol.model.layers[10].output[0][:] += 40.0 * vector
+        out = tracer.result.save()
+    assert list(out.outputs[0].token_ids) != before
+    # Prefix caching is on: the edited request must not leave its KV behind.
+    assert plain_tokens(smollm2_llm, PROMPT, 12) == before
+
+
+def test_write_in_body_runs_on_first_step_only(smol, smollm2_llm):
+    before = plain_tokens(smollm2_llm, PROMPT, 4)
+    with smol.trace(PROMPT, temperature=0.0, max_tokens=4) as tracer:
+        smol.samples[:] = smol.tokenizer.encode(" Berlin")[0]
+        out = tracer.result.save()
+    tokens = list(out.outputs[0].token_ids)
+    assert smol.tokenizer.decode(tokens[0]) == " Berlin"
+    assert tokens[1:] != before[1:] or len(tokens) == 4
+
+
+def test_force_samples_every_step_and_collect(smol):
+    berlin = smol.tokenizer.encode(" Berlin")[0]
+    with smol.trace(PROMPT, temperature=0.0, max_tokens=6) as tracer:
+        tokens = list().save()
+        for step in tracer.iter[:6]:
+            if step == 0:
+                smol.samples[:] = berlin
+            tokens.append(smol.samples.item())
+        out = tracer.result.save()
+    assert tokens[0] == berlin
+    assert tokens == list(out.outputs[0].token_ids)
+    assert out.outputs[0].text.startswith(" Berlin")
+
+
+def test_logits_write_decides_the_token(smol):
+    target = smol.tokenizer.encode(" Rome")[0]
+    with smol.trace(PROMPT, temperature=0.0, max_tokens=1) as tracer:
+        logits = smol.logits
+        logits[:] = -1e9
+        logits[0, target] = 0.0
+        out = tracer.result.save()
+    assert list(out.outputs[0].token_ids) == [target]
+
+
+def test_invokes_batch_and_return_lists(smol):
+    prompts = ["Paris is in", "The capital of Japan is", "Berlin is the capital of"]
+    with smol.trace(temperature=0.0, max_tokens=1) as tracer:
+        for prompt in prompts:
+            with tracer.invoke(prompt):
+                stream = sum(smol.model.layers[20].output).save()
+                token = smol.logits.argmax(-1).save()
+    assert isinstance(stream, list) and len(stream) == 3
+    lengths = [len(smol.tokenizer(p)["input_ids"]) for p in prompts]
+    assert [tuple(s.shape) for s in stream] == [(n, 576) for n in lengths]
+    assert smol.tokenizer.decode(token[1]) == " Tokyo"
+
+
+def test_two_concurrent_requests_only_one_edited(smol, smollm2_llm):
+    short, long = PROMPT, "Berlin is the capital of Germany, and the capital of Italy is"
+    plain_long = plain_tokens(smollm2_llm, long, 8)
+    plain_short = plain_tokens(smollm2_llm, short, 8)
+    with smol.trace(temperature=0.0, max_tokens=8) as tracer:
+        with tracer.invoke(short):
+            for _ in tracer.iter[:8]:
+                smol.model.layers[5].output[0][:] *= 0.0
+            edited = tracer.result.save()
+        with tracer.invoke(long):
+            untouched = tracer.result.save()
+    assert list(edited.outputs[0].token_ids) != plain_short
+    assert list(untouched.outputs[0].token_ids) == plain_long
+
+
+def test_prompt_forms_and_sampling_on_invoke(smol):
+    ids = smol.tokenizer(PROMPT)["input_ids"]
+    with smol.trace(temperature=0.0, max_tokens=2) as tracer:
+        with tracer.invoke(ids):
+            a = smol.logits.argmax(-1).save()
+        with tracer.invoke(smol.tokenizer(PROMPT, return_tensors="pt")):
+            b = smol.logits.argmax(-1).save()
+        with tracer.invoke(PROMPT, max_tokens=5):
+            c = tracer.result.save()
+    assert int(a[0]) == int(b[0]) == smol.tokenizer.encode(" Paris")[0]
+    assert len(c.outputs[0].token_ids) == 5
+
+
+def test_loop_cut_short_when_request_ends(smol):
+    with smol.trace(PROMPT, temperature=0.0, max_tokens=3) as tracer:
+        seen = list().save()
+        for _ in tracer.iter[:10]:
+            seen.append(smol.samples.item())
+        after = "ran".save()  # noqa: F841 - never runs: the loop is cut short
+    assert len(seen) == 3
+
+
+def test_generate_without_block_and_tokenizer(smol):
+    outs = smol.generate([PROMPT], temperature=0.0, max_tokens=2)
+    assert outs[0].outputs[0].text.startswith(" Paris")
+    assert smol.tokenizer.decode(smol.tokenizer.encode(" Paris")) == " Paris"
+
+
+def test_barrier_is_refused(smol):
+    with pytest.raises(Exception, match="barrier.*cannot work on vLLM"):
+        with smol.trace(temperature=0.0) as tracer:
+            with tracer.invoke(PROMPT):
+                tracer.barrier(2)
+
+
+def test_exception_in_block_fails_that_request_only(smol, smollm2_llm):
+    with pytest.raises(Exception, match="ZeroDivisionError") as caught:
+        with smol.trace(PROMPT, temperature=0.0):
+            hidden = smol.model.layers[1].output[0].save()  # noqa: F841
+            oops = 1 / 0  # noqa: F841
+    assert "oops = 1 / 0" in str(caught.value)  # the block's own line
+    assert plain_tokens(smollm2_llm, PROMPT, 2)[0] == smol.tokenizer.encode(" Paris")[0]
+
+
+def test_wrong_size_replacement_is_a_request_error(smol, smollm2_llm):
+    with pytest.raises(Exception) as caught:
+        with smol.trace(PROMPT, temperature=0.0):
+            smol.model.layers[3].mlp.output = torch.zeros(2, 576)
+    assert "shape" in str(caught.value).lower() or "size" in str(caught.value).lower()
+    assert plain_tokens(smollm2_llm, PROMPT, 2)[0] == smol.tokenizer.encode(" Paris")[0]
+
+
+def test_stock_llm_with_prepared_params(smol, smollm2_llm):
+    with smol.requests(PROMPT, temperature=0.0, max_tokens=2) as tracer:
+        hidden = smol.model.layers[4].output[0].clone().save()  # noqa: F841
+    prepared = tracer.prepared
+    plain = SamplingParams(temperature=0.0, max_tokens=2)
+    outs = smollm2_llm.generate(prepared.prompts + [PROMPT], prepared.params + [plain], use_tqdm=False)
+    saved = vllm_nnsight_plugin.saves(outs[0])
+    assert tuple(saved["hidden"].shape) == (5, 576)
+    assert not hasattr(outs[1], "saves")
+    assert list(outs[0].outputs[0].token_ids) == list(outs[1].outputs[0].token_ids)
+
+
+def test_corrupt_envelope_and_version_mismatch_are_request_errors(smollm2_llm):
+    from vllm_nnsight_plugin.wire.envelope import EXTRA_ARGS_KEY, seal
+
+    stale = seal(b"x", nnsight_version="0.0.1", plugin_version="0.0.1")
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=4, extra_args={EXTRA_ARGS_KEY: "garbage"}),
+        SamplingParams(temperature=0.0, max_tokens=4, extra_args={EXTRA_ARGS_KEY: stale}),
+        SamplingParams(temperature=0.0, max_tokens=4),
+    ]
+    outs = smollm2_llm.generate([PROMPT] * 3, params, use_tqdm=False)
+    with pytest.raises(Exception, match="not a vllm-nnsight envelope"):
+        vllm_nnsight_plugin.saves(outs[0])
+    with pytest.raises(Exception, match="nnsight 0.0.1"):
+        vllm_nnsight_plugin.saves(outs[1])
+    with pytest.raises(BlockError):
+        vllm_nnsight_plugin.saves(outs[2])
+    assert outs[2].outputs[0].text.startswith(" Paris")
+
+
+def test_wrapping_keeps_the_users_engine(smol, smollm2_llm):
+    assert smol.vllm_entrypoint is smollm2_llm
+    config = smollm2_llm.llm_engine.vllm_config
+    assert config.cache_config.enable_prefix_caching
+    assert config.parallel_config.worker_extension_cls.startswith("vllm_nnsight_plugin.")
+
+
+def test_no_state_left_in_workers(smol):
+    with smol.trace(PROMPT, temperature=0.0, max_tokens=2):
+        smol.logits.save()
+    assert smol.vllm_entrypoint.collective_rpc("nnsight_tracked") == [0]
+
+
+def test_client_builds_tree_without_engine(smollm2_path):
+    model = VLLM(smollm2_path, dtype="float32", max_model_len=512)
+    text = repr(model.model.layers[10].mlp)
+    assert "gate_up_proj" in text and "down_proj" in text
+    assert model.vllm_entrypoint is None
