@@ -45,9 +45,19 @@ def read_locations(model, prompts: list[str], layer: int) -> list[dict]:
                 final_norm = model.model.norm.output[0].clone().save()
                 logits = model.logits.clone().save()
     values = dict(
-        embeddings=embeddings, resid_before=resid_before, qkv_fused=qkv_fused, attn_q=attn_q,
-        attn_k=attn_k, attn_v=attn_v, o_proj_in=o_proj_in, attn_out=attn_out, mlp_act=mlp_act,
-        mlp_out=mlp_out, resid_after=resid_after, final_norm=final_norm, logits=logits,
+        embeddings=embeddings,
+        resid_before=resid_before,
+        qkv_fused=qkv_fused,
+        attn_q=attn_q,
+        attn_k=attn_k,
+        attn_v=attn_v,
+        o_proj_in=o_proj_in,
+        attn_out=attn_out,
+        mlp_act=mlp_act,
+        mlp_out=mlp_out,
+        resid_after=resid_after,
+        final_norm=final_norm,
+        logits=logits,
     )
     if len(prompts) == 1:
         return [values]

@@ -29,9 +29,7 @@ def train_tokenizer(folder: Path, vocab_size: int = 512):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tokenizer.train_from_iterator(CORPUS * 20, trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|pad|>"
-    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|pad|>")
     fast.save_pretrained(folder)
     return fast
 
@@ -61,7 +59,7 @@ def build_tiny_qwen3(folder: Path) -> str:
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(config).to(torch.float32)
     with torch.no_grad():  # larger weights than the default init, so activations are far from zero
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             if param.dim() == 2:
                 param.normal_(0.0, 0.08)
     model.save_pretrained(folder, safe_serialization=True)

@@ -19,7 +19,8 @@ import importlib.machinery
 import logging
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 logger = logging.getLogger("vllm_nnsight_plugin")
 

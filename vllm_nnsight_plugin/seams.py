@@ -41,7 +41,8 @@ import functools
 import logging
 import os
 import pickle
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .wire.envelope import EXTRA_ARGS_KEY
 
@@ -110,7 +111,9 @@ def patch_input_processor() -> None:
     from vllm.v1.engine.input_processor import InputProcessor
 
     def make(original: Callable) -> Callable:
-        def process_inputs(self: Any, request_id: str, prompt: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+        def process_inputs(
+            self: Any, request_id: str, prompt: Any, params: Any, *args: Any, **kwargs: Any
+        ) -> Any:
             if not carries_block(params):
                 return original(self, request_id, prompt, params, *args, **kwargs)
             # Cached prompt rows are never recomputed, so hooks would not see them.
@@ -131,7 +134,9 @@ def patch_llm_engine() -> None:
     from vllm.v1.engine.llm_engine import LLMEngine
 
     def make_add(original: Callable) -> Callable:
-        def add_request(self: Any, request_id: str, prompt: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+        def add_request(
+            self: Any, request_id: str, prompt: Any, params: Any, *args: Any, **kwargs: Any
+        ) -> Any:
             result = original(self, request_id, prompt, params, *args, **kwargs)
             if carries_block(params):
                 # The finished RequestOutput carries the caller's (external) id;
@@ -309,6 +314,4 @@ def engine_is_eager(vllm_config: Any) -> bool:
         return True
     compilation = vllm_config.compilation_config
     mode = getattr(compilation, "mode", None)
-    return int(getattr(mode, "value", mode) or 0) == 0 and not getattr(
-        compilation, "cudagraph_mode", None
-    )
+    return int(getattr(mode, "value", mode) or 0) == 0 and not getattr(compilation, "cudagraph_mode", None)

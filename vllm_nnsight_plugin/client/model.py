@@ -21,9 +21,9 @@ Three ways to build one::
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from nnsight.modeling.vllm.vllm import VLLM as _NNsightVLLM
 

@@ -28,7 +28,6 @@ import binascii
 import json
 import os
 import time
-from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -54,7 +53,7 @@ class Limits(BaseModel):
     max_save_bytes: int = 1024 * 1024 * 1024
 
     @classmethod
-    def from_env(cls) -> "Limits":
+    def from_env(cls) -> Limits:
         values = {}
         for field, var in (
             ("max_payload_bytes", "VLLM_NNSIGHT_MAX_PAYLOAD_BYTES"),
@@ -75,9 +74,9 @@ class Envelope(BaseModel):
     plugin: str
     payload: str = Field(min_length=1)
     created: float = 0.0
-    expires: Optional[float] = None
-    nonce: Optional[str] = None
-    sig: Optional[str] = None
+    expires: float | None = None
+    nonce: str | None = None
+    sig: str | None = None
 
     def block_bytes(self) -> bytes:
         try:

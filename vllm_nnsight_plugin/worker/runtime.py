@@ -87,8 +87,11 @@ class WorkerRuntime:
         module.register_forward_pre_hook(self._on_forward)
         runner.sampler.register_forward_pre_hook(self._on_logits, with_kwargs=True)
         runner.sampler.register_forward_hook(self._on_samples)
-        logger.info("vllm-nnsight: instrumented %s (%s forward)", type(module).__name__,
-                    "eager" if self.eager else "compiled")
+        logger.info(
+            "vllm-nnsight: instrumented %s (%s forward)",
+            type(module).__name__,
+            "eager" if self.eager else "compiled",
+        )
 
     # ------------------------------------------------------------------ step
     def begin_step(self, scheduler_output: Any) -> None:
@@ -282,4 +285,3 @@ class WorkerRuntime:
     def tracked(self) -> int:
         """How many requests' blocks this worker still holds (a leak gauge)."""
         return 0 if self.nnsight_requests is None else len(self.nnsight_requests.requests)
-

@@ -1,0 +1,59 @@
+"""Chunked prefill forced small (a 32-token step budget): traced prompts that fit
+the budget are admitted whole, so their rows still equal HF; a traced prompt
+longer than the budget is refused on its own request with a clear error."""
+
+from __future__ import annotations
+
+import pytest
+from vllm import SamplingParams
+
+from tests.conftest import start_llm, stop_llm
+from tests.reference import load_hf
+from tests.test_fidelity import PROMPTS, check
+
+BUDGET = 32
+
+
+@pytest.fixture(scope="module")
+def chunky(smollm2_path):
+    from vllm_nnsight_plugin import VLLM
+
+    llm = start_llm(smollm2_path, max_num_batched_tokens=BUDGET, max_num_seqs=8)
+    assert llm.llm_engine.vllm_config.scheduler_config.enable_chunked_prefill
+    yield VLLM(llm), llm
+    stop_llm(llm)
+
+
+def test_eight_traced_prompts_under_a_small_budget_match_hf(chunky, smollm2_path):
+    model, _ = chunky
+    lengths = [len(model.tokenizer(p)["input_ids"]) for p in PROMPTS]
+    assert sum(lengths) > BUDGET >= max(lengths)  # they cannot all share one step
+    check(model, load_hf(smollm2_path), PROMPTS, 10, "smollm2/chunked-budget-32")
+
+
+def test_traced_prompt_beside_a_chunked_plain_prompt(chunky):
+    import vllm_nnsight_plugin
+
+    model, llm = chunky
+    long_plain = " ".join(PROMPTS[:5])  # longer than the budget: chunked over several steps
+    plain = SamplingParams(temperature=0.0, max_tokens=4)
+    reference = llm.generate([long_plain], plain, use_tqdm=False)
+    with model.requests(PROMPTS[2], temperature=0.0, max_tokens=4) as tracer:
+        rows = model.model.layers[3].output[0].clone().save()  # noqa: F841
+    prepared = tracer.prepared
+    outs = llm.generate([long_plain] + prepared.prompts, [plain] + prepared.params, use_tqdm=False)
+    saved = vllm_nnsight_plugin.saves(outs[1])["rows"]
+    assert tuple(saved.shape) == (len(model.tokenizer(PROMPTS[2])["input_ids"]), 576)
+    assert list(outs[0].outputs[0].token_ids) == list(reference[0].outputs[0].token_ids)
+
+
+def test_prompt_longer_than_the_budget_is_refused_clearly(chunky):
+    model, llm = chunky
+    too_long = " ".join(PROMPTS)
+    assert len(model.tokenizer(too_long)["input_ids"]) > BUDGET
+    with pytest.raises(Exception, match="split across engine steps by chunked prefill"):
+        with model.trace(too_long, temperature=0.0, max_tokens=2):
+            model.model.layers[3].output[0].save()
+    after = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+    assert after[0].outputs[0].text.startswith(" Paris")
+    assert llm.collective_rpc("nnsight_tracked") == [0]

@@ -1,0 +1,67 @@
+"""The envelope alone: framing, versions and limits, with no engine."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+
+from vllm_nnsight_plugin.wire.envelope import (
+    ENVELOPE_VERSION,
+    EnvelopeError,
+    Limits,
+    open_envelope,
+    seal,
+)
+
+VERSIONS = dict(nnsight_version="0.8.1", plugin_version="0.1.0")
+
+
+def test_round_trip():
+    sealed = seal(b"\x00block\xff", **VERSIONS)
+    assert isinstance(sealed, str) and sealed.isascii()
+    assert open_envelope(sealed, **VERSIONS).block_bytes() == b"\x00block\xff"
+
+
+@pytest.mark.parametrize("value", ["", "garbage", "nns1:!!!", "nns1:" + base64.b64encode(b"[1,2]").decode()])
+def test_corrupt_is_refused(value):
+    with pytest.raises(EnvelopeError):
+        open_envelope(value, **VERSIONS)
+
+
+def test_not_a_string_is_refused():
+    with pytest.raises(EnvelopeError, match="must be the string"):
+        open_envelope(12, **VERSIONS)
+
+
+def test_format_version_mismatch_names_both_versions():
+    document = {"v": ENVELOPE_VERSION + 1, "nnsight": "0.8.1", "plugin": "9.9", "payload": "eA=="}
+    value = "nns1:" + base64.b64encode(json.dumps(document).encode()).decode()
+    with pytest.raises(EnvelopeError, match=r"format version 2 .*plugin '9.9'.*version 1"):
+        open_envelope(value, **VERSIONS)
+
+
+def test_nnsight_version_mismatch_names_the_fix():
+    sealed = seal(b"x", nnsight_version="0.7.0", plugin_version="0.1.0")
+    with pytest.raises(EnvelopeError, match=r"nnsight==0.8.1"):
+        open_envelope(sealed, **VERSIONS)
+
+
+def test_unknown_fields_are_refused():
+    document = {"v": 1, "nnsight": "0.8.1", "plugin": "0.1.0", "payload": "eA==", "exec": "rm"}
+    value = "nns1:" + base64.b64encode(json.dumps(document).encode()).decode()
+    with pytest.raises(EnvelopeError, match="malformed"):
+        open_envelope(value, **VERSIONS)
+
+
+def test_size_limit_is_enforced_before_decoding():
+    sealed = seal(b"x" * 10_000, **VERSIONS)
+    with pytest.raises(EnvelopeError, match="limit of 1000 bytes"):
+        open_envelope(sealed, limits=Limits(max_payload_bytes=1000), **VERSIONS)
+
+
+def test_limits_from_environment(monkeypatch):
+    monkeypatch.setenv("VLLM_NNSIGHT_MAX_PAYLOAD_BYTES", "123")
+    monkeypatch.setenv("VLLM_NNSIGHT_MAX_SAVE_BYTES", "456")
+    assert Limits.from_env() == Limits(max_payload_bytes=123, max_save_bytes=456)

@@ -1,0 +1,106 @@
+"""The vLLM seams and the plugin entry point, checked against the installed vLLM.
+
+When a vLLM release moves one of the internals in ``seams.py`` these tests fail
+by name, before any behaviour test has to guess why saves stopped arriving."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+
+import pytest
+
+from vllm_nnsight_plugin import seams
+from vllm_nnsight_plugin.versions import SUPPORTED_VLLM, UnsupportedVersion, check_vllm, vllm_version
+
+SEAMS = [
+    ("vllm.engine.arg_utils", "EngineArgs", "create_engine_config", ["self"]),
+    (
+        "vllm.v1.engine.input_processor",
+        "InputProcessor",
+        "process_inputs",
+        ["self", "request_id", "prompt", "params"],
+    ),
+    ("vllm.v1.engine.llm_engine", "LLMEngine", "add_request", ["self", "request_id", "prompt", "params"]),
+    ("vllm.v1.engine.llm_engine", "LLMEngine", "step", ["self"]),
+    ("vllm.v1.engine.llm_engine", "LLMEngine", "abort_request", ["self", "request_ids"]),
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "add_request", ["self", "request"]),
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule", ["self"]),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model", ["self", "scheduler_output"]),
+]
+
+
+def test_installed_vllm_is_supported():
+    assert vllm_version().startswith(SUPPORTED_VLLM)
+    with pytest.raises(UnsupportedVersion, match="supports vLLM"):
+        check_vllm("0.11.0")
+
+
+@pytest.mark.parametrize("module, owner, name, leading", SEAMS, ids=[f"{o}.{n}" for _, o, n, _ in SEAMS])
+def test_seam_exists_with_the_expected_signature(module, owner, name, leading):
+    import importlib
+
+    cls = getattr(importlib.import_module(module), owner)
+    function = inspect.unwrap(getattr(cls, name))
+    params = list(inspect.signature(function).parameters)
+    assert params[: len(leading)] == leading, f"{owner}.{name} now takes {params}"
+
+
+def test_scheduler_reads_the_chunking_switches_where_we_override_them():
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    source = inspect.getsource(inspect.unwrap(Scheduler.schedule))
+    assert "self.scheduler_config.enable_chunked_prefill" in source
+    assert "self.scheduler_config.long_prefill_token_threshold" in source
+    assert "self.max_num_scheduled_tokens" in source
+
+
+def test_runner_layout_attributes_are_where_the_worker_reads_them():
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    runner_src = inspect.getsource(GPUModelRunner)
+    for attribute in ("self.query_start_loc", "self.input_batch", "self.requests", "self.sampler("):
+        assert attribute in runner_src
+    assert "req_ids" in inspect.getsource(InputBatch)
+
+
+def test_register_is_cheap_and_idempotent():
+    code = (
+        "import sys, vllm\n"
+        "from vllm_nnsight_plugin.plugin import register\n"
+        "register(); register()\n"
+        "heavy = [m for m in ('vllm.v1.engine.llm_engine', 'vllm.v1.worker.gpu_model_runner', 'nnsight')"
+        " if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+        "import vllm.v1.engine.llm_engine as e\n"
+        "assert getattr(e.LLMEngine.step, '_vllm_nnsight_wrapped', False)\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.stdout.strip().endswith("ok"), result.stderr[-2000:]
+
+
+def test_entry_point_is_declared():
+    from importlib.metadata import entry_points
+
+    names = {ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert "vllm_nnsight_plugin.plugin:register" in names
+
+
+def test_extension_composes_with_a_users_class():
+    assert seams.extension_for(None) == seams.EXTENSION
+    composed = seams.extension_for("tests.test_seams.UserExtension")
+    module_name, _, class_name = composed.rpartition(".")
+    import importlib
+
+    cls = getattr(importlib.import_module(module_name), class_name)
+    assert issubclass(cls, UserExtension)
+    assert hasattr(cls, "nnsight_collect") and hasattr(cls, "user_method")
+    assert seams.extension_for(composed) == composed  # configuring twice changes nothing
+
+
+class UserExtension:
+    def user_method(self) -> str:
+        return "mine"
