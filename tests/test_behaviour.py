@@ -57,14 +57,24 @@ def test_steering_changes_tokens_and_leaves_plain_requests_alone(smol, smollm2_l
     assert plain_tokens(smollm2_llm, PROMPT, 12) == before
 
 
-def test_write_in_body_runs_on_first_step_only(smol, smollm2_llm):
-    before = plain_tokens(smollm2_llm, PROMPT, 4)
+def test_write_in_body_runs_on_first_step_only(smol):
+    berlin = smol.tokenizer.encode(" Berlin")[0]
     with smol.trace(PROMPT, temperature=0.0, max_tokens=4) as tracer:
-        smol.samples[:] = smol.tokenizer.encode(" Berlin")[0]
+        smol.samples[:] = berlin  # outside tracer.iter: the first step only
         out = tracer.result.save()
     tokens = list(out.outputs[0].token_ids)
-    assert smol.tokenizer.decode(tokens[0]) == " Berlin"
-    assert tokens[1:] != before[1:] or len(tokens) == 4
+    assert tokens[0] == berlin
+    assert berlin not in tokens[1:]
+
+
+def test_n_greater_than_one_gives_one_value_per_sequence(smol):
+    with smol.trace(PROMPT, temperature=1.0, seed=0, n=2, max_tokens=3) as tracer:
+        drawn = list().save()
+        for _ in tracer.iter[:3]:
+            drawn.append(smol.samples.item())
+        out = tracer.result.save()
+    assert isinstance(drawn, list) and len(drawn) == 2
+    assert sorted(map(list, drawn)) == sorted(list(o.token_ids) for o in out.outputs)
 
 
 def test_force_samples_every_step_and_collect(smol):
