@@ -230,3 +230,44 @@ def test_client_builds_tree_without_engine(smollm2_path):
     text = repr(model.model.layers[10].mlp)
     assert "gate_up_proj" in text and "down_proj" in text
     assert model.vllm_entrypoint is None
+
+
+class Canary:
+    """Unpickling this creates a file: proof that a payload was (or was not) run."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_block_without_the_engines_key_is_refused_and_never_run(smollm2_llm, tmp_path, monkeypatch):
+    import pickle
+
+    from vllm_nnsight_plugin.versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT
+    from vllm_nnsight_plugin.wire.envelope import EXTRA_ARGS_KEY, seal
+    from vllm_nnsight_plugin.wire.trust import LOCAL_KEY_ENV
+
+    def send(canary) -> object:
+        sealed = seal(
+            pickle.dumps(Canary(str(canary))),
+            nnsight_version=SUPPORTED_NNSIGHT,
+            plugin_version=PLUGIN_VERSION,
+        )
+        params = SamplingParams(temperature=0.0, max_tokens=2, extra_args={EXTRA_ARGS_KEY: sealed})
+        return smollm2_llm.generate([PROMPT], params, use_tqdm=False)[0]
+
+    # Signed by a process that does not hold the engine's key (as anything on the
+    # network would be): refused before decoding, so the canary stays unwritten.
+    with monkeypatch.context() as patch:
+        patch.setenv(LOCAL_KEY_ENV, "not-the-engine-key")
+        refused = send(tmp_path / "refused")
+    with pytest.raises(Exception, match="runs blocks only from its own process"):
+        vllm_nnsight_plugin.saves(refused)
+    assert not (tmp_path / "refused").exists()
+    # The same payload from the engine's own process is decoded: the canary is live.
+    accepted = send(tmp_path / "accepted")
+    assert (tmp_path / "accepted").exists()
+    with pytest.raises(Exception, match="could not be loaded"):
+        vllm_nnsight_plugin.saves(accepted)  # not a block, so the request still fails

@@ -65,3 +65,23 @@ def test_limits_from_environment(monkeypatch):
     monkeypatch.setenv("VLLM_NNSIGHT_MAX_PAYLOAD_BYTES", "123")
     monkeypatch.setenv("VLLM_NNSIGHT_MAX_SAVE_BYTES", "456")
     assert Limits.from_env() == Limits(max_payload_bytes=123, max_save_bytes=456)
+
+
+def test_local_signature_accepts_only_the_engines_key(monkeypatch):
+    from vllm_nnsight_plugin.wire.trust import (
+        LOCAL_KEY_ENV,
+        UntrustedBlockError,
+        check_local,
+        local_signature,
+    )
+
+    monkeypatch.setenv(LOCAL_KEY_ENV, "engine-key")
+    sealed = seal(b"x", **VERSIONS)
+    signature = local_signature(sealed)
+    check_local(sealed, signature)
+    for bad in (None, "", "0" * 64, local_signature(sealed + "x")):
+        with pytest.raises(UntrustedBlockError):
+            check_local(sealed, bad)
+    monkeypatch.delenv(LOCAL_KEY_ENV)
+    with pytest.raises(UntrustedBlockError):  # no key at all: nothing is trusted
+        check_local(sealed, signature)

@@ -17,7 +17,8 @@ Front end (the process that owns ``LLM``):
   whole and must not leave edited KV under the plain prompt's block hashes (see
   "prefix-cache pollution"), so it skips prefix-cache reads and gets a cache salt
   of its own.
-- ``LLMEngine.add_request`` / ``LLMEngine.step``: when a request with a block
+- ``LLMEngine.add_request`` / ``LLMEngine.step``: a request added in-process is
+  signed with the engine's local key (see ``wire/trust.py``); when a request with a block
   finishes, its saves are fetched from the workers with one ``collective_rpc``
   and put on the ``RequestOutput``. The front end is the one place where the
   finished output exists, so ``tracer.result`` is served with vLLM's own object.
@@ -95,6 +96,9 @@ def patch_engine_args() -> None:
 
     def make(original: Callable) -> Callable:
         def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+            from .wire.trust import ensure_local_key
+
+            ensure_local_key()  # before the engine's processes start: they inherit it
             self.worker_extension_cls = extension_for(self.worker_extension_cls)
             # The worker reads the V1 runner's persistent batch; vLLM reads this
             # variable lazily, so a default set here reaches the engine (0.25 GPU
@@ -137,6 +141,13 @@ def patch_llm_engine() -> None:
         def add_request(
             self: Any, request_id: str, prompt: Any, params: Any, *args: Any, **kwargs: Any
         ) -> Any:
+            if carries_block(params):
+                from .wire.trust import LOCAL_SIGNATURE_KEY, local_signature
+
+                # In-process: the caller owns the engine, so its blocks are trusted.
+                signature = local_signature(params.extra_args[EXTRA_ARGS_KEY])
+                if signature is not None:
+                    params.extra_args[LOCAL_SIGNATURE_KEY] = signature
             result = original(self, request_id, prompt, params, *args, **kwargs)
             if carries_block(params):
                 # The finished RequestOutput carries the caller's (external) id;

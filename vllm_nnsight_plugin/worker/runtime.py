@@ -27,6 +27,7 @@ from typing import Any
 from .. import seams
 from ..versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT
 from ..wire.envelope import EXTRA_ARGS_KEY, EnvelopeError, Limits, open_envelope
+from ..wire.trust import LOCAL_SIGNATURE_KEY, UntrustedBlockError, check_local
 
 logger = logging.getLogger("vllm_nnsight_plugin")
 
@@ -120,6 +121,7 @@ class WorkerRuntime:
         reported on its output; it never reaches ``execute_model``'s caller.
         """
         from nnsight.intervention.errors import capture_exception
+        from nnsight.intervention.interleaver import Mediator
         from nnsight.intervention.serialization import loads
         from nnsight.modeling.vllm.model_runners.GPUModelRunner import Request
 
@@ -130,14 +132,18 @@ class WorkerRuntime:
                 continue
             request = requests[data.req_id] = Request(data.req_id)
             try:
+                check_local(params.extra_args[EXTRA_ARGS_KEY], params.extra_args.get(LOCAL_SIGNATURE_KEY))
                 envelope = open_envelope(
                     params.extra_args[EXTRA_ARGS_KEY],
                     nnsight_version=SUPPORTED_NNSIGHT,
                     plugin_version=PLUGIN_VERSION,
                     limits=self.limits,
                 )
-                request.mediator = loads(envelope.block_bytes(), persistent_objects=self.persistent)
-            except EnvelopeError as error:
+                block = loads(envelope.block_bytes(), persistent_objects=self.persistent)
+                if not isinstance(block, Mediator):
+                    raise TypeError(f"the payload is a {type(block).__name__}, not an nnsight block")
+                request.mediator = block
+            except (EnvelopeError, UntrustedBlockError) as error:
                 request.error = capture_exception(error)
             except Exception as error:  # a payload nnsight cannot load
                 request.error = capture_exception(
