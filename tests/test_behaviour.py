@@ -271,3 +271,20 @@ def test_block_without_the_engines_key_is_refused_and_never_run(smollm2_llm, tmp
     assert (tmp_path / "accepted").exists()
     with pytest.raises(Exception, match="could not be loaded"):
         vllm_nnsight_plugin.saves(accepted)  # not a block, so the request still fails
+
+
+def test_uncollected_blocks_are_dropped_after_their_request_ends(smol, smollm2_llm):
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    engine = smollm2_llm.llm_engine
+    with smol.requests(PROMPT, temperature=0.0, max_tokens=2) as tracer:
+        smol.logits.save()
+    engine.add_request("nobody-collects", tracer.prepared.prompts[0], tracer.prepared.params[0])
+    engine._nnsight_pending.discard("nobody-collects")
+    unwrapped_step = LLMEngine.step.__wrapped__  # the stock step: no collect
+    while engine.has_unfinished_requests():
+        unwrapped_step(engine)
+    assert smollm2_llm.collective_rpc("nnsight_tracked") == [1]
+    for _ in range(3):  # a few more steps of plain traffic
+        plain_tokens(smollm2_llm, PROMPT, 4)
+    assert smollm2_llm.collective_rpc("nnsight_tracked") == [0]

@@ -32,6 +32,10 @@ from ..wire.trust import LOCAL_SIGNATURE_KEY, UntrustedBlockError, check_local
 logger = logging.getLogger("vllm_nnsight_plugin")
 
 
+#: Steps after vLLM reports a request finished before its uncollected block is dropped.
+_UNCOLLECTED_STEPS = 8
+
+
 class ChunkedPromptError(RuntimeError):
     """A block's prompt was split across steps by chunked prefill."""
 
@@ -63,6 +67,8 @@ class WorkerRuntime:
         self.in_step = False
         self.open = False  # the interleaver is entered for this step's forward
         self.rows: dict[str, int] = {}
+        self.steps = 0
+        self.finished_at: dict[str, int] = {}
 
     # ------------------------------------------------------------------ setup
     def _build(self) -> None:
@@ -100,12 +106,33 @@ class WorkerRuntime:
         if self.open:  # a step whose sampler never ran: close what it opened
             self.abandon_step()
         self.scheduler_output = scheduler_output
+        if self.nnsight_requests is not None and self.nnsight_requests.requests:
+            self._expire(getattr(scheduler_output, "finished_req_ids", ()))
         new = getattr(scheduler_output, "scheduled_new_reqs", ())
         if self.nnsight_model is None and any(
             seams.carries_block(getattr(data, "sampling_params", None)) for data in new
         ):
             self._build()
         self.in_step = self.nnsight_model is not None
+
+    def _expire(self, finished: Any) -> None:
+        """Wind up blocks of requests that finished and were never collected.
+
+        The offline front end collects a request as soon as it finishes, before the
+        next step. A request that arrived another way (say, a refused one over
+        HTTP) has nobody to collect it, so it is dropped a few steps after vLLM
+        says it finished, and no state outlives it.
+        """
+        self.steps += 1
+        requests = self.nnsight_requests.requests
+        for request_id in finished or ():
+            if request_id in requests:
+                self.finished_at.setdefault(request_id, self.steps)
+        stale = [rid for rid, at in self.finished_at.items() if self.steps - at >= _UNCOLLECTED_STEPS]
+        for request_id in stale:
+            del self.finished_at[request_id]
+            if request_id in requests:
+                self.collect([request_id], None)
 
     def abandon_step(self) -> None:
         """The step raised: close the interleaver so nothing leaks into the next."""
@@ -253,6 +280,9 @@ class WorkerRuntime:
 
         finished = pickle.loads(outputs) if outputs else None
         reply = R.collect_nnsight(self, request_ids, request_ids, finished)
+        for request_id in list(self.finished_at):
+            if request_id not in self.nnsight_requests.requests:
+                del self.finished_at[request_id]
         if not self.eager or len(reply) > self.limits.max_save_bytes:
             reply = self._review(pickle.loads(reply))
         return reply
