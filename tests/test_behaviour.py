@@ -151,6 +151,14 @@ def test_loop_cut_short_when_request_ends(smol):
     assert len(seen) == 3
 
 
+def test_all_runs_on_every_step(smol):
+    with smol.trace(PROMPT, temperature=0.0, max_tokens=4, ignore_eos=True) as tracer:
+        widths = list().save()
+        for _ in tracer.all():
+            widths.append(smol.model.layers[2].output[0].shape[0])
+    assert widths == [5, 1, 1, 1]
+
+
 def test_generate_without_block_and_tokenizer(smol):
     outs = smol.generate([PROMPT], temperature=0.0, max_tokens=2)
     assert outs[0].outputs[0].text.startswith(" Paris")

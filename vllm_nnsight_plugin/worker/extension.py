@@ -1,8 +1,11 @@
 """The worker extension: what the front end can call on each worker by name.
 
-Nothing here may import nnsight at module level: nnsight gives every object a
-``save`` attribute, and vLLM refuses an extension whose attributes clash with
-its ``Worker``'s. nnsight loads with the first request that carries a block.
+vLLM refuses an extension whose ``dir()`` shares a name with its ``Worker``.
+nnsight mounts ``save`` on every object, so once nnsight is imported in the
+process (a worker forked from a front end that uses the client, for one) both
+classes "have" ``save``. The metaclass below lists only the names our classes
+define, which is what the check means to compare. Nothing here imports nnsight
+at module level either: it loads with the first request that carries a block.
 
 vLLM mixes this class into its ``Worker`` (``worker_extension_cls``), so its
 methods are reachable through ``collective_rpc``. Importing this module happens
@@ -43,7 +46,18 @@ def _on_step_failed(runner: Any) -> None:
 seams.patch_model_runner(_on_step, _on_step_failed)
 
 
-class NNsightWorkerExtension:
+class _OwnNames(type):
+    """``dir()`` of the class: the names its own classes define, not ``object``'s."""
+
+    def __dir__(cls) -> list[str]:
+        names: set[str] = set()
+        for klass in cls.__mro__:
+            if klass is not object:
+                names.update(vars(klass))
+        return sorted(names)
+
+
+class NNsightWorkerExtension(metaclass=_OwnNames):
     """RPC endpoints; names are prefixed so they cannot clash with ``Worker``'s."""
 
     def nnsight_collect(self, request_ids: list[str], outputs: bytes | None = None) -> bytes | None:

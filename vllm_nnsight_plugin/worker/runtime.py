@@ -200,8 +200,15 @@ class WorkerRuntime:
             request.copies = {}
 
     def _on_forward(self, module: Any, args: Any) -> None:
-        if not self.in_step or self.open:
-            return None
+        if self.in_step and not self.open:
+            self._start_step()
+
+    def _start_step(self) -> None:
+        """Admit new requests, read the layout, open the interleaver for this step.
+
+        Called by the root forward pre-hook, or by the sampler pre-hook when the
+        forward ran as a replayed CUDA graph (no Python, so no root hook).
+        """
         from nnsight.tracing.tracer import _local, _saves, inc
 
         requests = self.nnsight_requests
@@ -210,7 +217,7 @@ class WorkerRuntime:
             # Nothing in flight: no pending save can matter, so bound the
             # thread-local save set nnsight keys by object id.
             _saves().clear()
-            return None
+            return
         if not getattr(_local, "depth", 0):
             inc()  # a block's .save() needs an open trace scope on this thread
         layout = seams.StepLayout(self.runner)
@@ -222,9 +229,10 @@ class WorkerRuntime:
         interleaver.__enter__()
         self.open = True
         requests.scope(self.nnsight_model, spans)
-        return None
 
     def _on_logits(self, module: Any, args: Any, kwargs: Any) -> Any:
+        if self.in_step and not self.open:
+            self._start_step()
         if not self.open:
             return None
         from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner as R

@@ -1,0 +1,147 @@
+"""GPU smoke run of the plugin on a CUDA vLLM (0.25.1 on the H200 machine).
+
+    python scripts/gpu_smoke.py eager  MODEL_DIR
+    python scripts/gpu_smoke.py graphs MODEL_DIR
+
+Each mode starts one engine and prints ``RESULT {json}`` lines, one per check,
+with ``ok`` true or false and what was seen.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+
+PROMPT = "the capital of france is"
+
+
+def result(name: str, ok: bool, **seen) -> None:
+    print("RESULT " + json.dumps({"check": name, "ok": bool(ok), **seen}, default=str), flush=True)
+
+
+def check(name: str, fn) -> None:
+    try:
+        fn()
+    except Exception as error:  # report and go on: one run, many checks
+        result(name, False, error=repr(error)[:800], tb=traceback.format_exc()[-1500:])
+
+
+def main(mode: str, path: str) -> None:
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    from vllm_nnsight_plugin import VLLM
+
+    started = time.time()
+    llm = LLM(
+        path,
+        dtype="bfloat16",
+        max_model_len=256,
+        gpu_memory_utilization=0.3,
+        enforce_eager=(mode == "eager"),
+    )
+    config = llm.llm_engine.vllm_config
+    result(
+        "engine",
+        True,
+        mode=mode,
+        vllm=vllm.__version__,
+        torch=torch.__version__,
+        startup_s=round(time.time() - started, 1),
+        extension=config.parallel_config.worker_extension_cls,
+        compilation=str(config.compilation_config.mode),
+        cudagraph=str(config.compilation_config.cudagraph_mode),
+    )
+    model = VLLM(llm)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+
+    def plain_ids():
+        return list(llm.generate([PROMPT], greedy, use_tqdm=False)[0].outputs[0].token_ids)
+
+    base = plain_ids()
+
+    def logits_read():
+        with model.trace(PROMPT, temperature=0.0, max_tokens=1):
+            logits = model.logits.save()
+        result("logits", int(logits.argmax(-1)) == base[0], shape=tuple(logits.shape))
+
+    check("logits", logits_read)
+
+    def module_read():
+        with model.trace(PROMPT, temperature=0.0, max_tokens=3) as tracer:
+            shapes = list().save()
+            for _ in tracer.iter[:3]:
+                shapes.append(tuple(model.model.layers[0].output[0].shape))
+        result("module_read", len(shapes) == 3 and shapes[1][0] == 1, shapes=shapes)
+
+    if mode == "eager":
+        check("module_read", module_read)
+
+        def steer():
+            vector = torch.randn(
+                llm.llm_engine.model_config.get_hidden_size(), dtype=torch.bfloat16, device="cuda"
+            )
+            with model.trace(PROMPT, temperature=0.0, max_tokens=8) as tracer:
+                for _ in tracer.iter[:8]:
+                    model.model.layers[0].output[0][:] += 50.0 * vector
+                out = tracer.result.save()
+            steered = list(out.outputs[0].token_ids)
+            after = plain_ids()
+            result("steer", steered != base and after == base, steered=steered, base=base, after=after)
+
+        check("steer", steer)
+
+        def view_vs_clone():
+            layer = model.model.layers[0]
+            with model.trace(PROMPT, temperature=0.0, max_tokens=1):
+                view = layer.output[1].save()
+                copy = layer.output[1].clone().save()
+            result("view_vs_clone", True, max_diff=float((view.float() - copy.float()).abs().max()))
+
+        check("view_vs_clone", view_vs_clone)
+
+        def invokes():
+            prompts = ["paris is in", "the capital of japan is", "berlin is the capital of"]
+            with model.trace(temperature=0.0, max_tokens=1) as tracer:
+                for prompt in prompts:
+                    with tracer.invoke(prompt):
+                        stream = sum(model.model.layers[1].output).save()
+            result("invokes", len(stream) == 3, shapes=[tuple(s.shape) for s in stream])
+
+        check("invokes", invokes)
+    else:
+
+        def refused_module():
+            try:
+                with model.trace(PROMPT, temperature=0.0, max_tokens=2):
+                    model.model.layers[0].output[0].save()
+            except Exception as error:
+                result("compiled_refusal", "enforce_eager=True" in str(error), error=str(error)[:400])
+                return
+            result("compiled_refusal", False, error="no error raised")
+
+        check("compiled_refusal", refused_module)
+
+    def block_error():
+        try:
+            with model.trace(PROMPT, temperature=0.0):
+                model.logits.save()
+                1 / 0  # noqa: B018
+        except Exception as error:
+            ok = "ZeroDivisionError" in str(error) and plain_ids() == base
+            result("block_error", ok)
+            return
+        result("block_error", False, error="no error raised")
+
+    check("block_error", block_error)
+    result(
+        "tracked", llm.collective_rpc("nnsight_tracked") == [0], tracked=llm.collective_rpc("nnsight_tracked")
+    )
+    result("plain_unchanged", plain_ids() == base, base=base)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
