@@ -43,7 +43,7 @@ def demo(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     vector = torch.randn(hidden)
     vector = vector / vector.norm()
-    with model.trace(prompt, temperature=0.0, max_tokens=16) as tracer:
+    with model.trace(prompt, temperature=0.0, max_tokens=16, ignore_eos=True) as tracer:
         for _ in tracer.iter[:16]:
             model.model.layers[10].output[0][:] += args.scale * vector
         steered = tracer.result.save()
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         default=float(os.environ.get("VLLM_NNSIGHT_MEMORY", "0.3")),
         help="vLLM's memory fraction (on CPU it sizes the KV cache; keep <= 0.3 there)",
     )
-    parser.add_argument("--scale", type=float, default=24.0, help="steering strength")
+    parser.add_argument("--scale", type=float, default=40.0, help="steering strength")
     demo(parser.parse_args(argv))
 
 
