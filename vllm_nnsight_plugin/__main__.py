@@ -39,7 +39,7 @@ def demo(args: argparse.Namespace) -> None:
     print(f"next token from the logits: {model.tokenizer.decode(logits.argmax(-1))!r}")
 
     # Steer one layer, on every step of generation.
-    hidden = model.config.hidden_size if hasattr(model, "config") else resid.shape[-1]
+    hidden = resid.shape[-1]
     torch.manual_seed(0)
     vector = torch.randn(hidden)
     vector = vector / vector.norm()
