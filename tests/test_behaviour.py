@@ -296,3 +296,12 @@ def test_uncollected_blocks_are_dropped_after_their_request_ends(smol, smollm2_l
     for _ in range(3):  # a few more steps of plain traffic
         plain_tokens(smollm2_llm, PROMPT, 4)
     assert smollm2_llm.collective_rpc("nnsight_tracked") == [0]
+
+
+def test_stop_string_still_returns_saves(smol):
+    with smol.trace(PROMPT, temperature=0.0, max_tokens=16, stop=["answer"]) as tracer:
+        first = smol.model.layers[3].output[0].clone().save()
+        out = tracer.result.save()
+    assert tuple(first.shape) == (5, 576)
+    assert out.outputs[0].finish_reason == "stop" and "answer" not in out.outputs[0].text
+    assert smol.vllm_entrypoint.collective_rpc("nnsight_tracked") == [0]

@@ -18,7 +18,13 @@ BUDGET = 32
 def chunky(smollm2_path):
     from vllm_nnsight_plugin import VLLM
 
-    llm = start_llm(smollm2_path, max_num_batched_tokens=BUDGET, max_num_seqs=8)
+    # This engine also carries a user's own worker extension: the plugin composes with it.
+    llm = start_llm(
+        smollm2_path,
+        max_num_batched_tokens=BUDGET,
+        max_num_seqs=8,
+        worker_extension_cls="tests.test_seams.UserExtension",
+    )
     assert llm.llm_engine.vllm_config.scheduler_config.enable_chunked_prefill
     yield VLLM(llm), llm
     stop_llm(llm)
@@ -56,4 +62,10 @@ def test_prompt_longer_than_the_budget_is_refused_clearly(chunky):
             model.model.layers[3].output[0].save()
     after = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
     assert after[0].outputs[0].text.startswith(" Paris")
+    assert llm.collective_rpc("nnsight_tracked") == [0]
+
+
+def test_users_worker_extension_still_works_beside_the_plugin(chunky):
+    _, llm = chunky
+    assert llm.collective_rpc("user_method") == ["mine"]
     assert llm.collective_rpc("nnsight_tracked") == [0]

@@ -141,7 +141,8 @@ def patch_llm_engine() -> None:
         def add_request(
             self: Any, request_id: str, prompt: Any, params: Any, *args: Any, **kwargs: Any
         ) -> Any:
-            if carries_block(params):
+            traced = carries_block(params)
+            if traced:
                 from .wire.trust import LOCAL_SIGNATURE_KEY, local_signature
 
                 # In-process: the caller owns the engine, so its blocks are trusted.
@@ -149,7 +150,7 @@ def patch_llm_engine() -> None:
                 if signature is not None:
                     params.extra_args[LOCAL_SIGNATURE_KEY] = signature
             result = original(self, request_id, prompt, params, *args, **kwargs)
-            if carries_block(params):
+            if traced:
                 # The finished RequestOutput carries the caller's (external) id;
                 # the engine's internal one adds a random suffix.
                 self.__dict__.setdefault("_nnsight_pending", set()).add(request_id)
