@@ -1,10 +1,14 @@
 """Chunked prefill forced small (a 32-token step budget): traced prompts that fit
 the budget are admitted whole, so their rows still equal HF; a traced prompt
-longer than the budget is refused on its own request with a clear error."""
+longer than the budget is refused on its own request with a clear error. The same
+engine checks a user's own worker extension beside the plugin's, and the save limit."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 from vllm import SamplingParams
 
 from tests.conftest import start_llm, stop_llm
@@ -12,19 +16,25 @@ from tests.reference import load_hf
 from tests.test_fidelity import PROMPTS, check
 
 BUDGET = 32
+SAVE_LIMIT = 8 * 1024 * 1024
 
 
 @pytest.fixture(scope="module")
 def chunky(smollm2_path):
     from vllm_nnsight_plugin import VLLM
 
-    # This engine also carries a user's own worker extension: the plugin composes with it.
-    llm = start_llm(
-        smollm2_path,
-        max_num_batched_tokens=BUDGET,
-        max_num_seqs=8,
-        worker_extension_cls="tests.test_seams.UserExtension",
-    )
+    # This engine also carries a user's own worker extension (the plugin composes
+    # with it) and a small save limit, which its worker processes inherit.
+    os.environ["VLLM_NNSIGHT_MAX_SAVE_BYTES"] = str(SAVE_LIMIT)
+    try:
+        llm = start_llm(
+            smollm2_path,
+            max_num_batched_tokens=BUDGET,
+            max_num_seqs=8,
+            worker_extension_cls="tests.test_seams.UserExtension",
+        )
+    finally:
+        del os.environ["VLLM_NNSIGHT_MAX_SAVE_BYTES"]
     assert llm.llm_engine.vllm_config.scheduler_config.enable_chunked_prefill
     yield VLLM(llm), llm
     stop_llm(llm)
@@ -69,3 +79,13 @@ def test_users_worker_extension_still_works_beside_the_plugin(chunky):
     _, llm = chunky
     assert llm.collective_rpc("user_method") == ["mine"]
     assert llm.collective_rpc("nnsight_tracked") == [0]
+
+
+def test_saves_over_the_limit_fail_that_request_only(chunky):
+    model, llm = chunky
+    with pytest.raises(Exception, match="over this engine's limit"):
+        with model.trace(PROMPTS[0], temperature=0.0, max_tokens=1):
+            big = model.model.layers[1].output[0].new_zeros(3_000_000).save()  # noqa: F841 - 12 MB
+    with model.trace(PROMPTS[0], temperature=0.0, max_tokens=1):
+        small = model.model.layers[1].output[0].clone().save()
+    assert isinstance(small, torch.Tensor) and small.shape[0] == len(model.tokenizer(PROMPTS[0])["input_ids"])
