@@ -5,6 +5,17 @@
 
 Each mode starts one engine and prints ``RESULT {json}`` lines, one per check,
 with ``ok`` true or false and what was seen.
+
+On the device (after the kit of ``../shared/gpu/`` is stashed and installed into
+``/tmp/site``), vLLM finds the plugin through its entry point, so give the tree
+a minimal installed-package record before running::
+
+    . /tmp/site/vllmkit_env.sh
+    D=/tmp/site/vllm_nnsight_plugin-0.1.0.dist-info; mkdir -p $D
+    printf 'Metadata-Version: 2.1\nName: vllm-nnsight-plugin\nVersion: 0.1.0\n' > $D/METADATA
+    printf '[vllm.general_plugins]\nnnsight = vllm_nnsight_plugin.plugin:register\n' > $D/entry_points.txt
+    export PYTHONPATH=$PYTHONPATH:$PWD
+    python3 scripts/gpu_smoke.py eager .vllmkit/models/tiny-qwen3
 """
 
 from __future__ import annotations
