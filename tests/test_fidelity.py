@@ -21,7 +21,6 @@ PROMPTS = [
     "The quick brown fox",
     "Numbers like 1, 2, 3",
 ]
-FIGURES: dict[str, dict[str, float]] = {}
 
 
 def read_locations(model, prompts: list[str], layer: int) -> list[dict]:
@@ -44,21 +43,9 @@ def read_locations(model, prompts: list[str], layer: int) -> list[dict]:
                 resid_after = (layer_module.output[0] + layer_module.output[1]).save()
                 final_norm = model.model.norm.output[0].clone().save()
                 logits = model.logits.clone().save()
-    values = dict(
-        embeddings=embeddings,
-        resid_before=resid_before,
-        qkv_fused=qkv_fused,
-        attn_q=attn_q,
-        attn_k=attn_k,
-        attn_v=attn_v,
-        o_proj_in=o_proj_in,
-        attn_out=attn_out,
-        mlp_act=mlp_act,
-        mlp_out=mlp_out,
-        resid_after=resid_after,
-        final_norm=final_norm,
-        logits=logits,
-    )
+    # The trace binds each saved name in this frame; LOCATIONS lists them.
+    saved = locals()
+    values = {name: saved[name] for name in LOCATIONS}
     if len(prompts) == 1:
         return [values]
     return [{name: values[name][i] for name in LOCATIONS} for i in range(len(prompts))]
@@ -74,7 +61,6 @@ def check(model, hf, prompts: list[str], layer: int, label: str) -> None:
         for name in LOCATIONS:
             assert tuple(values[name].shape) == tuple(expected[name].shape), (label, name, prompt)
             worst[name] = max(worst.get(name, 0.0), rel_error(values[name], expected[name]))
-    FIGURES[label] = worst
     print(f"\nfidelity {label}: " + ", ".join(f"{k}={v:.1e}" for k, v in worst.items()))
     bad = {k: v for k, v in worst.items() if v > TOLERANCE}
     assert not bad, f"{label}: relative error over {TOLERANCE}: {bad}"
