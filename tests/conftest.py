@@ -11,6 +11,10 @@ import pytest
 
 # One engine at a time uses both cores; keep the client's torch from competing.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# How long a worker keeps a block nobody collected (default 30 s); short here so
+# the test of that expiry does not wait.
+UNCOLLECTED_S = 1.0
+os.environ.setdefault("VLLM_NNSIGHT_UNCOLLECTED_S", str(UNCOLLECTED_S))
 
 ENGINE_DEFAULTS = dict(
     dtype="float32",

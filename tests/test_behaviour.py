@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from vllm import SamplingParams
 
 import vllm_nnsight_plugin
+from tests.conftest import UNCOLLECTED_S
 from vllm_nnsight_plugin import VLLM, BlockError
 
 PROMPT = "The capital of France is"
@@ -255,7 +258,7 @@ def test_block_without_the_engines_key_is_refused_and_never_run(smollm2_llm, tmp
 
     from vllm_nnsight_plugin.versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT
     from vllm_nnsight_plugin.wire.envelope import EXTRA_ARGS_KEY, seal
-    from vllm_nnsight_plugin.wire.trust import LOCAL_KEY_ENV
+    from vllm_nnsight_plugin.wire.trust import LOCAL_KEY_ENV, LOCAL_SIGNATURE_KEY, local_signature
 
     def send(canary) -> object:
         sealed = seal(
@@ -263,7 +266,8 @@ def test_block_without_the_engines_key_is_refused_and_never_run(smollm2_llm, tmp
             nnsight_version=SUPPORTED_NNSIGHT,
             plugin_version=PLUGIN_VERSION,
         )
-        params = SamplingParams(temperature=0.0, max_tokens=2, extra_args={EXTRA_ARGS_KEY: sealed})
+        extra = {EXTRA_ARGS_KEY: sealed, LOCAL_SIGNATURE_KEY: local_signature(sealed)}
+        params = SamplingParams(temperature=0.0, max_tokens=2, extra_args=extra)
         return smollm2_llm.generate([PROMPT], params, use_tqdm=False)[0]
 
     # Signed by a process that does not hold the engine's key (as anything on the
@@ -271,7 +275,7 @@ def test_block_without_the_engines_key_is_refused_and_never_run(smollm2_llm, tmp
     with monkeypatch.context() as patch:
         patch.setenv(LOCAL_KEY_ENV, "not-the-engine-key")
         refused = send(tmp_path / "refused")
-    with pytest.raises(Exception, match="runs blocks only from its own process"):
+    with pytest.raises(Exception, match="signed in the engine's own process"):
         vllm_nnsight_plugin.saves(refused)
     assert not (tmp_path / "refused").exists()
     # The same payload from the engine's own process is decoded: the canary is live.
@@ -293,6 +297,7 @@ def test_uncollected_blocks_are_dropped_after_their_request_ends(smol, smollm2_l
     while engine.has_unfinished_requests():
         unwrapped_step(engine)
     assert smollm2_llm.collective_rpc("nnsight_tracked") == [1]
+    time.sleep(UNCOLLECTED_S + 0.2)  # conftest shortens the engine's wait
     for _ in range(3):  # a few more steps of plain traffic
         plain_tokens(smollm2_llm, PROMPT, 4)
     assert smollm2_llm.collective_rpc("nnsight_tracked") == [0]

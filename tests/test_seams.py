@@ -28,6 +28,19 @@ SEAMS = [
     ("vllm.v1.core.sched.scheduler", "Scheduler", "add_request", ["self", "request"]),
     ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule", ["self"]),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model", ["self", "scheduler_output"]),
+    ("vllm.v1.engine.async_llm", "AsyncLLM", "generate", ["self", "prompt", "sampling_params", "request_id"]),
+    (
+        "vllm.entrypoints.openai.completion.serving",
+        "OpenAIServingCompletion",
+        "create_completion",
+        ["self", "request"],
+    ),
+    (
+        "vllm.entrypoints.openai.chat_completion.serving",
+        "OpenAIServingChat",
+        "create_chat_completion",
+        ["self", "request"],
+    ),
 ]
 
 
@@ -54,6 +67,28 @@ def test_scheduler_reads_the_chunking_switches_where_we_override_them():
     assert "self.scheduler_config.enable_chunked_prefill" in source
     assert "self.scheduler_config.long_prefill_token_threshold" in source
     assert "self.max_num_scheduled_tokens" in source
+
+
+def test_openai_server_parts_the_response_path_relies_on():
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    # vllm_xargs becomes SamplingParams.extra_args, the block's ride to the worker.
+    for request in (CompletionRequest, ChatCompletionRequest):
+        assert "vllm_xargs" in request.model_fields
+        assert "vllm_xargs" in inspect.getsource(request.to_sampling_params)
+    # A stream ends with [DONE]; the saves event goes right before it.
+    for cls, name in (
+        (OpenAIServingCompletion, "completion_stream_generator"),
+        (OpenAIServingChat, "chat_completion_stream_generator"),
+    ):
+        assert "data: [DONE]" in inspect.getsource(getattr(cls, name))
+    error = list(inspect.signature(OpenAIServingCompletion.create_error_response).parameters)
+    assert error[:3] == ["message", "err_type", "status_code"]
+    assert inspect.iscoroutinefunction(AsyncLLM.collective_rpc)
 
 
 def test_runner_layout_attributes_are_where_the_worker_reads_them():

@@ -98,5 +98,8 @@ def register() -> None:
     when_imported("vllm.engine.arg_utils", seams.patch_engine_args)
     when_imported("vllm.v1.engine.input_processor", seams.patch_input_processor)
     when_imported("vllm.v1.engine.llm_engine", seams.patch_llm_engine)
+    when_imported("vllm.v1.engine.async_llm", seams.patch_async_llm)
     when_imported("vllm.v1.core.sched.scheduler", seams.patch_scheduler)
+    when_imported("vllm.entrypoints.openai.completion.serving", seams.patch_openai_completion)
+    when_imported("vllm.entrypoints.openai.chat_completion.serving", seams.patch_openai_chat)
     logger.debug("vllm-nnsight: registered on vLLM %s (pid %d)", version, os.getpid())

@@ -17,11 +17,15 @@ Front end (the process that owns ``LLM``):
   whole and must not leave edited KV under the plain prompt's block hashes (see
   "prefix-cache pollution"), so it skips prefix-cache reads and gets a cache salt
   of its own.
-- ``LLMEngine.add_request`` / ``LLMEngine.step``: a request added in-process is
-  signed with the engine's local key (see ``wire/trust.py``); when a request with a block
-  finishes, its saves are fetched from the workers with one ``collective_rpc``
-  and put on the ``RequestOutput``. The front end is the one place where the
-  finished output exists, so ``tracer.result`` is served with vLLM's own object.
+- ``LLMEngine.add_request`` / ``LLMEngine.step`` (offline ``LLM``) and
+  ``AsyncLLM.generate``: when a request with a block finishes, its saves are
+  fetched from the workers with one ``collective_rpc`` and put on the
+  ``RequestOutput``. The front end is the one place where the finished output
+  exists, so ``tracer.result`` is served with vLLM's own object.
+- ``OpenAIServingCompletion.create_completion`` and
+  ``OpenAIServingChat.create_chat_completion`` (the OpenAI server): the one
+  door for blocks from the network. ``server/gate.py`` decides before vLLM sees
+  the request; ``server/responses.py`` puts the saves on the response.
 
 Engine core (the process that schedules):
 
@@ -141,16 +145,8 @@ def patch_llm_engine() -> None:
         def add_request(
             self: Any, request_id: str, prompt: Any, params: Any, *args: Any, **kwargs: Any
         ) -> Any:
-            traced = carries_block(params)
-            if traced:
-                from .wire.trust import LOCAL_SIGNATURE_KEY, local_signature
-
-                # In-process: the caller owns the engine, so its blocks are trusted.
-                signature = local_signature(params.extra_args[EXTRA_ARGS_KEY])
-                if signature is not None:
-                    params.extra_args[LOCAL_SIGNATURE_KEY] = signature
             result = original(self, request_id, prompt, params, *args, **kwargs)
-            if traced:
+            if carries_block(params):
                 # The finished RequestOutput carries the caller's (external) id;
                 # the engine's internal one adds a random suffix.
                 self.__dict__.setdefault("_nnsight_pending", set()).add(request_id)
@@ -196,6 +192,66 @@ def patch_llm_engine() -> None:
     _wrap(LLMEngine, "add_request", make_add)
     _wrap(LLMEngine, "step", make_step)
     _wrap(LLMEngine, "abort_request", make_abort)
+
+
+def patch_async_llm() -> None:
+    """Collect a traced request's saves on its finished output, on ``AsyncLLM``.
+
+    Requests without a block get vLLM's own stream back untouched.
+    """
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    def make(original: Callable) -> Callable:
+        def generate(
+            self: Any, prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any
+        ) -> Any:
+            stream = original(self, prompt, sampling_params, request_id, *args, **kwargs)
+            if not carries_block(sampling_params):
+                return stream
+            from .returns.outputs import traced_stream
+            from .server.responses import current
+
+            collector = current()  # set while the OpenAI handler runs
+            if collector is not None:
+                collector.started(request_id)
+            return traced_stream(self, stream, request_id, collector.finished if collector else None)
+
+        return generate
+
+    _wrap(AsyncLLM, "generate", make)
+
+
+def _serving_handler(original: Callable) -> Callable:
+    """Admit or refuse blocks from the network; return their saves in the JSON."""
+
+    async def handle(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        from .server import gate, responses
+
+        xargs = getattr(request, "vllm_xargs", None)
+        if not gate.carries_block(xargs):
+            return await original(self, request, *args, **kwargs)
+        refusal = gate.admit(xargs, beam_search=bool(getattr(request, "use_beam_search", False)))
+        if refusal is not None:
+            return self.create_error_response(
+                refusal.message, err_type=refusal.kind, status_code=refusal.status
+            )
+        with responses.collecting() as collector:
+            result = await original(self, request, *args, **kwargs)
+        return responses.finish(self, result, collector)
+
+    return handle
+
+
+def patch_openai_completion() -> None:
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+
+    _wrap(OpenAIServingCompletion, "create_completion", _serving_handler)
+
+
+def patch_openai_chat() -> None:
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+
+    _wrap(OpenAIServingChat, "create_chat_completion", _serving_handler)
 
 
 # --------------------------------------------------------------------------

@@ -11,41 +11,64 @@ engine-facing parts replaced:
 - stock defaults stay on (prefix caching, chunked prefill): the plugin makes a
   traced request safe under them rather than turning them off.
 
-Three ways to build one::
+Ways to build one::
 
     VLLM(path)                     # the module tree only; no engine, no GPU
     VLLM(path, dispatch=True, **engine_kwargs)   # starts a stock engine
-    VLLM(llm)                      # wraps an LLM you already built
+    VLLM(path, mode="async", dispatch=True)      # starts a stock AsyncLLM
+    VLLM(llm)                      # wraps an LLM or AsyncLLM you already built
+
+and ``model.trace(..., serve="http://host:8000")`` runs a trace on a server
+instead (``client/remote.py``): no engine here, no GPU.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from nnsight.modeling.vllm.async_backend import AsyncVLLMBackend
 from nnsight.modeling.vllm.vllm import VLLM as _NNsightVLLM
 
 from ..versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT, check_nnsight
 from ..wire.envelope import EXTRA_ARGS_KEY, seal
+from ..wire.trust import LOCAL_SIGNATURE_KEY, ensure_local_key, local_signature, operator_key
 
 
 @dataclass
 class PreparedRequests:
-    """Prompts and ``SamplingParams`` carrying blocks, ready for ``LLM.generate``."""
+    """Prompts and ``SamplingParams`` carrying blocks, ready for ``LLM.generate``
+    (or, built with a server's key, for the OpenAI API: see :attr:`vllm_xargs`)."""
 
     prompts: list = field(default_factory=list)
     params: list = field(default_factory=list)
     lora_requests: list = field(default_factory=list)
 
+    @property
+    def vllm_xargs(self) -> list[dict]:
+        """Per request, the ``vllm_xargs`` that carry its block to a server."""
+        return [{EXTRA_ARGS_KEY: param.extra_args[EXTRA_ARGS_KEY]} for param in self.params]
 
-def _seal_params(params: list, count: int) -> None:
-    """Move nnsight's serialized block into our envelope, on the first ``count`` params."""
+
+def _seal_params(params: list, count: int, server_key: str | None = None) -> None:
+    """Move nnsight's serialized block into our envelope, on the first ``count`` params.
+
+    For an engine in this process the envelope is signed with the local key
+    (``wire/trust.py``); for a server, with the operator's ``server_key``.
+    """
+    if server_key is None:
+        ensure_local_key()  # an engine built later in this process inherits it
     for param in params[:count]:
         extra = param.extra_args
         block = extra.pop("nnsight_mediator")
-        extra[EXTRA_ARGS_KEY] = seal(block, nnsight_version=SUPPORTED_NNSIGHT, plugin_version=PLUGIN_VERSION)
+        extra[EXTRA_ARGS_KEY] = seal(
+            block, nnsight_version=SUPPORTED_NNSIGHT, plugin_version=PLUGIN_VERSION, key=server_key
+        )
+        if server_key is None:
+            extra[LOCAL_SIGNATURE_KEY] = local_signature(extra[EXTRA_ARGS_KEY])
 
 
 class VLLM(_NNsightVLLM):
@@ -53,20 +76,20 @@ class VLLM(_NNsightVLLM):
 
     def __init__(self, model: Any, *args: Any, mode: str = "sync", **kwargs: Any) -> None:
         check_nnsight()
-        if mode != "sync":
-            raise NotImplementedError(
-                f"mode={mode!r}: this release serves the synchronous engine only. Use "
-                "mode='sync' (the default)."
-            )
+        if mode not in ("sync", "async"):
+            raise ValueError(f"mode={mode!r}: use 'sync' (vllm.LLM) or 'async' (AsyncLLM).")
         if "taps" in kwargs:
             raise NotImplementedError(
                 "taps are not supported yet: build the engine with enforce_eager=True "
                 "(the default for VLLM(..., dispatch=True)), where every location is served."
             )
         self._given_llm = None
-        if _is_llm(model):
+        self._server_key: str | None = None
+        if _is_llm(model) or _is_async_llm(model):
             self._given_llm = model
-            model = model.llm_engine.vllm_config.model_config.model
+            mode = "async" if _is_async_llm(model) else "sync"
+            engine = model if mode == "async" else model.llm_engine
+            model = engine.vllm_config.model_config.model
             kwargs["dispatch"] = True
         super().__init__(model, *args, mode=mode, **kwargs)
 
@@ -85,11 +108,17 @@ class VLLM(_NNsightVLLM):
             self._cleanup_distributed()
         if self._given_llm is not None:
             self.vllm_entrypoint = self._given_llm
+            return meta_model
+        # Module hooks fire only in an eager forward (see docs: locations).
+        kwargs.setdefault("enforce_eager", True)
+        if self._async_engine:
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+
+            self.vllm_entrypoint = AsyncLLM.from_engine_args(AsyncEngineArgs(model=repo_id, **kwargs))
         else:
             from vllm import LLM
 
-            # Module hooks fire only in an eager forward (see docs: locations).
-            kwargs.setdefault("enforce_eager", True)
             self.vllm_entrypoint = LLM(repo_id, **kwargs)
         return meta_model
 
@@ -104,37 +133,101 @@ class VLLM(_NNsightVLLM):
 
     def _attach_mediators(self, params: list, **kwargs: Any) -> list:
         attached = super()._attach_mediators(params, **kwargs)
-        _seal_params(params, len(attached))
+        _seal_params(params, len(attached), self._server_key)
         return attached
 
+    def _call_served(self, server: Any, prompts: list, params: list, lora_requests: list, **kwargs: Any) -> Any:
+        """``_call`` for ``serve=``: the same requests, sent to a server."""
+        if any(lora is not None for lora in lora_requests):
+            raise NotImplementedError("LoRA adapters are not sent to a server; load them there.")
+        self._server_key = server.key
+        try:
+            mediators = self._attach_mediators(params, **kwargs)
+        finally:
+            self._server_key = None
+        outputs = server.run(prompts, params)
+        self._collect(mediators, outputs)
+        return outputs
+
     def interleave(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
-        if getattr(fn, "_prepare_only", False):
-            return fn(*args, **kwargs)  # no engine needed to build requests
+        if getattr(fn, "_no_engine", False):
+            return fn(*args, **kwargs)  # building requests, or a server runs them
         return super().interleave(fn, *args, **kwargs)
 
+    def trace(self, *inputs: Any, serve: str | None = None, key: str | None = None, **kwargs: Any) -> Any:
+        """nnsight's trace; ``serve=url`` (with the operator's ``key``, or
+        ``VLLM_NNSIGHT_KEY``) runs it on a server with the plugin installed."""
+        if serve is not None:
+            from .remote import Server
+
+            signing_key = operator_key(key)
+            if signing_key is None:
+                raise ValueError(
+                    "a served trace must be signed: pass key=... (the server operator's "
+                    "key) or set VLLM_NNSIGHT_KEY."
+                )
+            fn = functools.partial(self._call_served, Server(serve, signing_key))
+            fn._no_engine = True  # type: ignore[attr-defined]
+            kwargs["fn"] = fn
+        elif self._async_engine and kwargs.get("backend") is None:
+            kwargs["backend"] = _AsyncBackend(self)
+        return super().trace(*inputs, **kwargs)
+
+    def _generate(self, *inputs: Any, **kwargs: Any) -> Any:
+        if "serve" in kwargs:
+            raise NotImplementedError(
+                "model.generate(serve=...) without a with-block has no block to send; "
+                "use the openai client for plain requests, or a with-block."
+            )
+        return super()._generate(*inputs, **kwargs)
+
+    async def _generate_async(self, prompts: Any, params: Any, lora_request: Any) -> list:
+        """Plain requests on the async engine, drained to their final outputs."""
+        import asyncio
+        import uuid
+
+        engine = self.vllm_entrypoint
+        prompts = prompts if isinstance(prompts, (list, tuple)) else [prompts]
+
+        async def run(prompt: Any) -> Any:
+            last = None
+            async for output in engine.generate(prompt, params, uuid.uuid4().hex, lora_request=lora_request):
+                last = output
+            return last
+
+        return list(await asyncio.gather(*(run(prompt) for prompt in prompts)))
+
     # ------------------------------------------------------------------ API
-    def requests(self, *inputs: Any, **kwargs: Any) -> Any:
+    def requests(self, *inputs: Any, key: str | None = None, **kwargs: Any) -> Any:
         """Build requests carrying this block without running them.
 
-        For users who drive a stock ``LLM`` themselves::
+        For users who drive a stock ``LLM`` (or ``AsyncLLM``) themselves::
 
             with model.requests("The capital of France is", temperature=0.0) as tracer:
                 hidden = model.model.layers[3].output[0].save()
             prepared = tracer.prepared
             outputs = llm.generate(prepared.prompts, prepared.params)
             vllm_nnsight_plugin.saves(outputs[0])["hidden"]
+
+        With ``key`` (a server operator's key) the blocks are signed for that
+        server instead, and ``prepared.vllm_xargs`` go in an OpenAI request's
+        ``extra_body``.
         """
         prepared = PreparedRequests()
 
         def take(prompts: list, params: list, lora_requests: list, **kw: Any) -> None:
-            attached = self._attach_mediators(params, **kw)
+            self._server_key = key
+            try:
+                attached = self._attach_mediators(params, **kw)
+            finally:
+                self._server_key = None
             if len(attached) != len(params):
                 raise ValueError("every invoke needs a prompt")
             prepared.prompts[:] = prompts
             prepared.params[:] = params
             prepared.lora_requests[:] = lora_requests
 
-        take._prepare_only = True  # type: ignore[attr-defined]
+        take._no_engine = True  # type: ignore[attr-defined]
         tracer = self.trace(*inputs, fn=take, **kwargs)
         tracer.prepared = prepared
         return tracer
@@ -178,3 +271,25 @@ def _is_llm(value: Any) -> bool:
     except ImportError:
         return False
     return isinstance(value, LLM)
+
+
+def _is_async_llm(value: Any) -> bool:
+    try:
+        from vllm.v1.engine.async_llm import AsyncLLM
+    except ImportError:
+        return False
+    return isinstance(value, AsyncLLM)
+
+
+class _AsyncBackend(AsyncVLLMBackend):
+    """nnsight's streaming backend; the plugin's ``AsyncLLM.generate`` seam has
+    already put the saves on the finished output, so nothing is fetched here."""
+
+    async def _attach_saves(self, output: Any) -> None:
+        from nnsight.intervention.errors import raise_deferred
+
+        output.saves = dict(getattr(output, "nnsight_saves", {}))
+        raise_deferred(getattr(output, "nnsight_error", None))
+
+    async def _free_worker(self) -> None:
+        return None  # the seam winds up an abandoned request

@@ -15,8 +15,9 @@ place a worker decodes anything a client sent. It carries:
   nnsight's own pickle of its classes, which only the same version can read.
 - ``plugin``: the client's plugin version, for error messages.
 - ``payload``: base64 of the serialized block.
-- ``sig``/``expires``/``nonce``: room for an operator's signature. The offline
-  path needs none; the server integration checks them.
+- ``sig``/``expires``/``nonce``: for a server, the operator's signature
+  (HMAC-SHA256 over every other field, see :func:`signed_bytes`) and what
+  keeps a signed envelope from being used twice. The offline path needs none.
 
 Sizes are bounded before anything is decoded (:class:`Limits`).
 """
@@ -25,8 +26,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
+import hmac
 import json
 import os
+import secrets
 import time
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -40,6 +44,14 @@ _PREFIX = "nns1:"
 
 class EnvelopeError(ValueError):
     """A request's envelope was refused; the message says why and what to do."""
+
+
+class EnvelopeTooLarge(EnvelopeError):
+    """The envelope is over the engine's payload limit."""
+
+
+class EnvelopeExpired(EnvelopeError):
+    """The envelope's expiry has passed."""
 
 
 class Limits(BaseModel):
@@ -85,15 +97,45 @@ class Envelope(BaseModel):
             raise EnvelopeError(f"the envelope's payload is not valid base64 ({error})") from None
 
 
-def seal(block: bytes, *, nnsight_version: str, plugin_version: str) -> str:
-    """Wrap a serialized block into the string that rides ``extra_args``."""
+def signed_bytes(envelope: Envelope) -> bytes:
+    """What an operator signature covers: every field but ``sig``, as canonical JSON.
+
+    Both ends build this from the parsed document, so key order and spacing on
+    the wire do not matter, and no field can be changed without breaking it.
+    """
+    fields = envelope.model_dump(exclude={"sig"}, exclude_none=True)
+    return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+
+def operator_signature(envelope: Envelope, key: str) -> str:
+    return hmac.new(key.encode("utf-8"), signed_bytes(envelope), hashlib.sha256).hexdigest()
+
+
+def seal(
+    block: bytes,
+    *,
+    nnsight_version: str,
+    plugin_version: str,
+    key: str | None = None,
+    ttl_s: float = 300.0,
+) -> str:
+    """Wrap a serialized block into the string that rides ``extra_args``.
+
+    With ``key`` (an operator's key, for a server) the envelope is signed, expires
+    ``ttl_s`` seconds from now and carries a fresh nonce, so it can be used once.
+    """
+    now = time.time()
     document = Envelope(
         v=ENVELOPE_VERSION,
         nnsight=nnsight_version,
         plugin=plugin_version,
         payload=base64.b64encode(block).decode("ascii"),
-        created=time.time(),
+        created=now,
+        expires=now + ttl_s if key else None,
+        nonce=secrets.token_hex(16) if key else None,
     )
+    if key:
+        document = document.model_copy(update={"sig": operator_signature(document, key)})
     raw = json.dumps(document.model_dump(exclude_none=True), separators=(",", ":"))
     return _PREFIX + base64.b64encode(raw.encode("utf-8")).decode("ascii")
 
@@ -121,7 +163,7 @@ def open_envelope(
         )
     # base64 inflates by 4/3; bound the string before decoding anything.
     if len(value) > limits.max_payload_bytes * 4 // 3 + 1024:
-        raise EnvelopeError(
+        raise EnvelopeTooLarge(
             f"the block is {len(value)} bytes encoded, over this engine's limit of "
             f"{limits.max_payload_bytes} bytes (VLLM_NNSIGHT_MAX_PAYLOAD_BYTES). Send "
             "large tensors as saves of an earlier trace, or raise the limit."
@@ -154,9 +196,9 @@ def open_envelope(
             f"version. Install nnsight=={nnsight_version} on the client."
         )
     if envelope.expires is not None and envelope.expires < time.time():
-        raise EnvelopeError("the envelope has expired; build the request again.")
+        raise EnvelopeExpired("the envelope has expired; build the request again.")
     if len(envelope.payload) > limits.max_payload_bytes * 4 // 3 + 4:
-        raise EnvelopeError(
+        raise EnvelopeTooLarge(
             f"the block is over this engine's limit of {limits.max_payload_bytes} bytes "
             "(VLLM_NNSIGHT_MAX_PAYLOAD_BYTES)."
         )

@@ -1,14 +1,21 @@
-"""Who may send a block: only the process that owns the engine, for now.
+"""Who may send a block, and how an engine tells.
 
-A block is code. An engine must never run one that arrived from somewhere it
-does not trust, and with this plugin installed a stock ``vllm serve`` receives
-``extra_args`` from any HTTP client (``vllm_xargs``). So a worker runs a block
-only when the request also carries a signature made with the engine's local
-key: a random secret created in the front-end process when the engine config
-is built and inherited by the engine's own processes through the environment.
-The offline ``LLM`` path signs its requests in-process; nothing on the network
-knows the key, so a block sent over HTTP is refused before anything in it is
-decoded.
+A block is code. An engine runs one only when the request carries a signature
+made with the engine's *local key*: a random secret created in the process that
+builds the engine (before its engine-core and worker processes start, which
+inherit it through the environment). Whoever holds it already runs code in the
+engine's process, so trusting them adds nothing:
+
+- in the user's own process (``vllm.LLM``, ``AsyncLLM``), the client signs each
+  block with the local key when it seals it;
+- on a server, nothing on the network knows the local key. A block sent over
+  HTTP is refused unless the operator turned remote blocks on by setting an
+  *operator key*, and the envelope is signed with that key, unexpired and not
+  seen before. The server's HTTP layer checks that (``server/gate.py``) and only
+  then adds the local signature.
+
+Any other way in (another endpoint, a crafted ``extra_args``) has no local
+signature, so the worker refuses the block before decoding any of it.
 """
 
 from __future__ import annotations
@@ -17,20 +24,32 @@ import hashlib
 import hmac
 import os
 import secrets
+import threading
+import time
+
+from .envelope import Envelope, operator_signature
 
 #: The environment variable holding the engine's local key.
 LOCAL_KEY_ENV = "VLLM_NNSIGHT_LOCAL_KEY"
-#: The ``extra_args`` key carrying the in-process signature.
+#: The ``extra_args`` key carrying the local signature.
 LOCAL_SIGNATURE_KEY = "nnsight_local_sig"
+#: The operator's key: set on a server to accept signed blocks over HTTP; a
+#: client reads the same variable to sign.
+OPERATOR_KEY_ENV = "VLLM_NNSIGHT_KEY"
+#: The longest lifetime a server accepts on a signed envelope, in seconds.
+MAX_TTL_ENV = "VLLM_NNSIGHT_MAX_TTL_S"
+DEFAULT_MAX_TTL_S = 900.0
+#: Shortest operator key accepted: a short secret is a guessable one.
+MIN_KEY_CHARS = 32
 
 
 class UntrustedBlockError(PermissionError):
-    """A block arrived without the engine's local signature."""
+    """A block arrived without a signature this engine accepts."""
 
 
-def ensure_local_key() -> None:
-    """Create this engine family's key (front end, before engine processes start)."""
-    os.environ.setdefault(LOCAL_KEY_ENV, secrets.token_hex(32))
+def ensure_local_key() -> str:
+    """This process's local key, created on first use (before engine processes start)."""
+    return os.environ.setdefault(LOCAL_KEY_ENV, secrets.token_hex(32))
 
 
 def local_signature(envelope: str) -> str | None:
@@ -45,7 +64,72 @@ def check_local(envelope: object, signature: object) -> None:
     expected = local_signature(envelope) if isinstance(envelope, str) else None
     if expected is None or not isinstance(signature, str) or not hmac.compare_digest(expected, signature):
         raise UntrustedBlockError(
-            "this engine runs blocks only from its own process (an offline vllm.LLM with "
-            "the plugin installed); a block that arrived any other way, such as over "
-            "HTTP, is refused and none of it is run."
+            "this engine runs a block only when it was signed in the engine's own "
+            "process (the vllm_nnsight_plugin client does that) or accepted by the "
+            "server's HTTP layer with the operator's key; this one was neither, so "
+            "none of it was run."
+        )
+
+
+def operator_key(value: str | None = None) -> str | None:
+    """The operator key: ``value`` if given, else ``VLLM_NNSIGHT_KEY``, else None."""
+    key = value if value is not None else os.environ.get(OPERATOR_KEY_ENV)
+    return key or None
+
+
+def max_ttl_s() -> float:
+    return float(os.environ.get(MAX_TTL_ENV) or DEFAULT_MAX_TTL_S)
+
+
+class NonceBook:
+    """Nonces of accepted envelopes, kept until they expire: each is good once."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, float] = {}
+        self._prune_at = 1024
+        self._lock = threading.Lock()
+
+    def claim(self, nonce: str, expires: float, now: float) -> bool:
+        with self._lock:
+            if len(self._seen) >= self._prune_at:
+                self._seen = {n: t for n, t in self._seen.items() if t >= now}
+                self._prune_at = max(1024, 2 * len(self._seen))
+            if nonce in self._seen:
+                return False
+            self._seen[nonce] = expires
+            return True
+
+
+def check_operator(envelope: Envelope, key: str, nonces: NonceBook, now: float | None = None) -> None:
+    """Raise :class:`UntrustedBlockError` unless the envelope is signed with ``key``,
+    unexpired, within the server's lifetime limit, and not seen before."""
+    now = time.time() if now is None else now
+    if len(key) < MIN_KEY_CHARS:
+        raise UntrustedBlockError(
+            f"the server's operator key is shorter than {MIN_KEY_CHARS} characters, so "
+            "it accepts no blocks (operator: set a longer VLLM_NNSIGHT_KEY, e.g. "
+            "`python -c 'import secrets; print(secrets.token_hex(32))'`)."
+        )
+    if envelope.sig is None:
+        raise UntrustedBlockError(
+            "the block is not signed. This server runs blocks signed with its operator "
+            "key only: pass key=... to the client or set VLLM_NNSIGHT_KEY where it runs."
+        )
+    if not hmac.compare_digest(operator_signature(envelope, key), envelope.sig):
+        raise UntrustedBlockError(
+            "the block's signature does not match this server's operator key (a wrong "
+            "key, or the envelope was changed on the way)."
+        )
+    if envelope.expires is None or envelope.nonce is None:
+        raise UntrustedBlockError("a signed block needs an expiry and a nonce; build it again.")
+    if envelope.expires < now:
+        raise UntrustedBlockError("the signed block has expired; build the request again.")
+    if envelope.expires - now > max_ttl_s():
+        raise UntrustedBlockError(
+            f"the signed block is valid for {envelope.expires - now:.0f} s, over this "
+            f"server's limit of {max_ttl_s():.0f} s ({MAX_TTL_ENV}); sign with a shorter ttl."
+        )
+    if not nonces.claim(envelope.nonce, envelope.expires, now):
+        raise UntrustedBlockError(
+            "this signed block was already used (a replay); every request needs a fresh one."
         )

@@ -61,7 +61,11 @@ class NNsightWorkerExtension(metaclass=_OwnNames):
     """RPC endpoints; names are prefixed so they cannot clash with ``Worker``'s."""
 
     def nnsight_collect(self, request_ids: list[str], outputs: bytes | None = None) -> bytes | None:
-        return runtime_of(self.model_runner).collect(request_ids, outputs)
+        # Only the front end's own call passes bytes; vLLM's development RPC route
+        # passes strings, which must never reach the unpickler.
+        if not isinstance(outputs, bytes | None) or not all(isinstance(i, str) for i in request_ids):
+            raise TypeError("nnsight_collect takes request ids and pickled outputs from the front end")
+        return runtime_of(self.model_runner).collect(list(request_ids), outputs)
 
     def nnsight_tracked(self) -> int:
         return runtime_of(self.model_runner).tracked()

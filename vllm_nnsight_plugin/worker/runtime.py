@@ -22,6 +22,8 @@ a block arrives, so an engine that never sees one is never instrumented.
 from __future__ import annotations
 
 import logging
+import os
+import time
 from typing import Any
 
 from .. import seams
@@ -32,8 +34,11 @@ from ..wire.trust import LOCAL_SIGNATURE_KEY, UntrustedBlockError, check_local
 logger = logging.getLogger("vllm_nnsight_plugin")
 
 
-#: Steps after vLLM reports a request finished before its uncollected block is dropped.
+#: An uncollected block is dropped once its request has been finished this many
+#: steps *and* ``VLLM_NNSIGHT_UNCOLLECTED_S`` seconds (default 30): long enough
+#: for a busy front end's collect to arrive, short enough not to hold memory.
 _UNCOLLECTED_STEPS = 8
+_UNCOLLECTED_ENV = "VLLM_NNSIGHT_UNCOLLECTED_S"
 
 
 class ChunkedPromptError(RuntimeError):
@@ -68,7 +73,8 @@ class WorkerRuntime:
         self.open = False  # the interleaver is entered for this step's forward
         self.rows: dict[str, int] = {}
         self.steps = 0
-        self.finished_at: dict[str, int] = {}
+        self.finished_at: dict[str, tuple[int, float]] = {}
+        self.uncollected_s = float(os.environ.get(_UNCOLLECTED_ENV) or 30.0)
 
     # ------------------------------------------------------------------ setup
     def _build(self) -> None:
@@ -118,17 +124,22 @@ class WorkerRuntime:
     def _expire(self, finished: Any) -> None:
         """Wind up blocks of requests that finished and were never collected.
 
-        The offline front end collects a request as soon as it finishes, before the
-        next step. A request that arrived another way (say, a refused one over
-        HTTP) has nobody to collect it, so it is dropped a few steps after vLLM
-        says it finished, and no state outlives it.
+        The front end collects a request as soon as it finishes. One nobody
+        collects (a caller that bypassed the plugin's front-end seams, a front
+        end that died) is dropped a while after vLLM says it finished, so no state
+        outlives it.
         """
         self.steps += 1
+        now = time.monotonic()
         requests = self.nnsight_requests.requests
         for request_id in finished or ():
             if request_id in requests:
-                self.finished_at.setdefault(request_id, self.steps)
-        stale = [rid for rid, at in self.finished_at.items() if self.steps - at >= _UNCOLLECTED_STEPS]
+                self.finished_at.setdefault(request_id, (self.steps, now))
+        stale = [
+            rid
+            for rid, (step, at) in self.finished_at.items()
+            if self.steps - step >= _UNCOLLECTED_STEPS and now - at >= self.uncollected_s
+        ]
         for request_id in stale:
             del self.finished_at[request_id]
             if request_id in requests:

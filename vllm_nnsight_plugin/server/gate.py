@@ -1,0 +1,98 @@
+"""The server's door: which blocks arriving over HTTP may reach the engine.
+
+A request to ``/v1/completions`` or ``/v1/chat/completions`` carries a block in
+``vllm_xargs["nnsight"]``. Before vLLM sees the request, :func:`admit` decides,
+without decoding the payload (so a refusal provably runs nothing):
+
+====  ===========================  ==============================================
+code  type                         when
+====  ===========================  ==============================================
+403   ``NNsightBlocksDisabled``    the operator has not set ``VLLM_NNSIGHT_KEY``
+403   ``NNsightUntrustedBlock``    unsigned, wrong key, expired, replayed, or a
+                                   lifetime over ``VLLM_NNSIGHT_MAX_TTL_S``
+400   ``NNsightBadEnvelope``       corrupt, another envelope/nnsight version, or
+                                   with beam search
+413   ``NNsightPayloadTooLarge``   over ``VLLM_NNSIGHT_MAX_PAYLOAD_BYTES``
+====  ===========================  ==============================================
+
+An admitted request gets the engine's local signature (``wire/trust.py``),
+which is what the worker checks. A local signature sent by the client is
+dropped first: only this door can issue one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from http import HTTPStatus
+
+from ..versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT
+from ..wire.envelope import (
+    EXTRA_ARGS_KEY,
+    EnvelopeError,
+    EnvelopeExpired,
+    EnvelopeTooLarge,
+    Limits,
+    open_envelope,
+)
+from ..wire.trust import (
+    LOCAL_SIGNATURE_KEY,
+    OPERATOR_KEY_ENV,
+    NonceBook,
+    UntrustedBlockError,
+    check_operator,
+    local_signature,
+    operator_key,
+)
+
+_NONCES = NonceBook()
+
+
+@dataclass(frozen=True)
+class Refusal:
+    status: HTTPStatus
+    kind: str
+    message: str
+
+
+def carries_block(xargs: object) -> bool:
+    return isinstance(xargs, dict) and (EXTRA_ARGS_KEY in xargs or LOCAL_SIGNATURE_KEY in xargs)
+
+
+def admit(xargs: dict, *, beam_search: bool = False) -> Refusal | None:
+    """Check a request's ``vllm_xargs``; sign it for the engine, or say why not."""
+    xargs.pop(LOCAL_SIGNATURE_KEY, None)
+    if EXTRA_ARGS_KEY not in xargs:
+        return None
+    if beam_search:
+        return Refusal(
+            HTTPStatus.BAD_REQUEST,
+            "NNsightBadEnvelope",
+            "beam search runs many engine requests per prompt, which one block cannot "
+            "follow; send blocks with plain sampling.",
+        )
+    key = operator_key()
+    if key is None:
+        return Refusal(
+            HTTPStatus.FORBIDDEN,
+            "NNsightBlocksDisabled",
+            "this server does not run nnsight blocks sent over HTTP. The operator can "
+            f"turn them on by starting it with {OPERATOR_KEY_ENV} set to a secret key, "
+            "which clients then sign with.",
+        )
+    value = xargs[EXTRA_ARGS_KEY]
+    try:
+        envelope = open_envelope(
+            value,
+            nnsight_version=SUPPORTED_NNSIGHT,
+            plugin_version=PLUGIN_VERSION,
+            limits=Limits.from_env(),
+        )
+        check_operator(envelope, key, _NONCES)
+    except EnvelopeTooLarge as error:
+        return Refusal(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "NNsightPayloadTooLarge", str(error))
+    except (EnvelopeExpired, UntrustedBlockError) as error:
+        return Refusal(HTTPStatus.FORBIDDEN, "NNsightUntrustedBlock", str(error))
+    except EnvelopeError as error:
+        return Refusal(HTTPStatus.BAD_REQUEST, "NNsightBadEnvelope", str(error))
+    xargs[LOCAL_SIGNATURE_KEY] = local_signature(value)
+    return None

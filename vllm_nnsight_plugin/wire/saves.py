@@ -1,0 +1,92 @@
+"""How a request's saves travel back over HTTP, inside the OpenAI JSON.
+
+A finished request's saves are ``torch.save``'d and base64'd into one string per
+request (tensors keep dtype and shape; no float goes through JSON). The block's
+error, if any, is nnsight's own wire-safe dict (type, message, the block's
+traceback), so the client re-raises it exactly as a local run would.
+
+The client reads the blob with ``torch.load(weights_only=True)``: a server can
+hand back tensors, containers, numbers, strings and vLLM's ``RequestOutput``
+(for ``tracer.result``) but not arbitrary objects, so a hostile server cannot
+run code on the client. ``VLLM_NNSIGHT_TRUST_SERVER=1`` lifts that for saves of
+other types, from a server you trust.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+from typing import Any
+
+#: The field the saves ride in, on responses and on the final stream event.
+RESPONSE_FIELD = "nnsight"
+#: Version of the response document below.
+SAVES_VERSION = 1
+TRUST_SERVER_ENV = "VLLM_NNSIGHT_TRUST_SERVER"
+
+
+def encode_request(output: Any) -> dict:
+    """The JSON-ready document for one finished, traced ``RequestOutput``."""
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(
+        {
+            "saves": getattr(output, "nnsight_saves", {}),
+            "sequences": getattr(output, "nnsight_sequences", []),
+        },
+        buffer,
+    )
+    return {
+        "request_id": output.request_id,
+        "saves": base64.b64encode(buffer.getvalue()).decode("ascii"),
+        "error": getattr(output, "nnsight_error", None),
+    }
+
+
+#: Modules whose classes a client loads from a server: vLLM's plain output
+#: records (a saved ``tracer.result`` is made of them), nothing with behaviour.
+SAFE_MODULES = ("vllm.outputs", "vllm.logprobs", "vllm.v1.metrics.stats", "vllm.lora.request")
+
+
+def _allowed(name: str) -> type | None:
+    """The class a weights-only load asked for, if it is one of vLLM's output records."""
+    import importlib
+
+    module, _, attribute = name.rpartition(".")
+    if module not in SAFE_MODULES:
+        return None
+    try:
+        found = getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError):  # a client without vLLM reads tensors only
+        return None
+    return found if isinstance(found, type) else None
+
+
+def decode_request(document: dict) -> tuple[dict, list]:
+    """``(saves, per-sequence saves)`` from :func:`encode_request`'s document."""
+    import re
+
+    import torch
+
+    raw = base64.b64decode(document["saves"])
+    trusted = os.environ.get(TRUST_SERVER_ENV, "").strip().lower() in ("1", "true", "yes")
+    allowed: list[type] = []
+    while True:
+        try:
+            with torch.serialization.safe_globals(allowed):
+                blob = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=not trusted)
+            break
+        except Exception as error:
+            found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(error))
+            extra = _allowed(found.group(1)) if found else None
+            if extra is None or extra in allowed:
+                raise ValueError(
+                    "the server sent saves holding a type this client does not load from "
+                    f"the network ({found.group(1) if found else type(error).__name__}). Save "
+                    f"tensors, numbers, strings or containers of them, or set {TRUST_SERVER_ENV}=1 "
+                    "if you trust the server."
+                ) from None
+            allowed.append(extra)
+    return blob.get("saves", {}), blob.get("sequences", [])
