@@ -32,6 +32,7 @@ from typing import Any
 
 from nnsight.modeling.vllm.async_backend import AsyncVLLMBackend
 from nnsight.modeling.vllm.vllm import VLLM as _NNsightVLLM
+from nnsight.tracing.backend import Backend
 
 from ..versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT, check_nnsight
 from ..wire.envelope import EXTRA_ARGS_KEY, seal
@@ -169,6 +170,10 @@ class VLLM(_NNsightVLLM):
             fn = functools.partial(self._call_served, Server(serve, signing_key))
             fn._no_engine = True  # type: ignore[attr-defined]
             kwargs["fn"] = fn
+            kwargs.setdefault("backend", Backend())
+        elif getattr(kwargs.get("fn"), "_no_engine", False):
+            # Building requests only: run the block's capture here, on any engine.
+            kwargs.setdefault("backend", Backend())
         elif self._async_engine and kwargs.get("backend") is None:
             kwargs["backend"] = _AsyncBackend(self)
         return super().trace(*inputs, **kwargs)
@@ -292,4 +297,7 @@ class _AsyncBackend(AsyncVLLMBackend):
         raise_deferred(getattr(output, "nnsight_error", None))
 
     async def _free_worker(self) -> None:
-        return None  # the seam winds up an abandoned request
+        # Closing the engine's stream aborts the request; the seam then winds up
+        # its block in the workers.
+        if self._generator is not None:
+            await self._generator.aclose()
