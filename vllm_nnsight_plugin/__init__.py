@@ -14,9 +14,10 @@ from .versions import PLUGIN_VERSION as __version__
 
 if TYPE_CHECKING:
     from .client.model import VLLM, PreparedRequests
+    from .client.remote import ServeError
     from .returns.outputs import BlockError, saves
 
-__all__ = ["VLLM", "PreparedRequests", "BlockError", "saves", "__version__"]
+__all__ = ["VLLM", "PreparedRequests", "ServeError", "BlockError", "saves", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -26,6 +27,10 @@ def __getattr__(name: str) -> Any:
         from .client import model
 
         return getattr(model, name)
+    if name == "ServeError":
+        from .client.remote import ServeError
+
+        return ServeError
     if name in ("BlockError", "saves"):
         from .returns import outputs
 

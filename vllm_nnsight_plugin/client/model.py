@@ -137,7 +137,9 @@ class VLLM(_NNsightVLLM):
         _seal_params(params, len(attached), self._server_key)
         return attached
 
-    def _call_served(self, server: Any, prompts: list, params: list, lora_requests: list, **kwargs: Any) -> Any:
+    def _call_served(
+        self, server: Any, prompts: list, params: list, lora_requests: list, **kwargs: Any
+    ) -> Any:
         """``_call`` for ``serve=``: the same requests, sent to a server."""
         if any(lora is not None for lora in lora_requests):
             raise NotImplementedError("LoRA adapters are not sent to a server; load them there.")

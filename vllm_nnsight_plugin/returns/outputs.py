@@ -28,7 +28,8 @@ class BlockError(RuntimeError):
 
 
 def merge_replies(replies: list) -> dict:
-    """Per request id, what the workers returned, over all ranks.
+    """Per request id, what the workers returned, over all ranks (each rank
+    answers a list of pickled ``{request_id: entry}`` parts).
 
     Under tensor parallelism every rank ran the block and holds the same gathered
     values; the first rank's copy is kept.
@@ -36,10 +37,9 @@ def merge_replies(replies: list) -> dict:
     import pickle
 
     merged: dict[str, dict] = {}
-    for reply in replies or ():
-        if reply is None:
-            continue
-        for request_id, entry in pickle.loads(reply).items():
+    parts = [part for reply in replies or () if reply is not None for part in reply]
+    for part in parts:
+        for request_id, entry in pickle.loads(part).items():
             into = merged.setdefault(request_id, {"saves": {}, "error": None, "sequences": {}})
             for name, value in (entry.get("saves") or {}).items():
                 into["saves"].setdefault(name, value)

@@ -7,7 +7,8 @@ without decoding the payload (so a refusal provably runs nothing):
 ====  ===========================  ==============================================
 code  type                         when
 ====  ===========================  ==============================================
-403   ``NNsightBlocksDisabled``    the operator has not set ``VLLM_NNSIGHT_KEY``
+403   ``NNsightBlocksDisabled``    no operator key (``VLLM_NNSIGHT_KEY`` or
+                                   ``VLLM_NNSIGHT_KEY_FILE``)
 403   ``NNsightUntrustedBlock``    unsigned, wrong key, expired, replayed, or a
                                    lifetime over ``VLLM_NNSIGHT_MAX_TTL_S``
 400   ``NNsightBadEnvelope``       corrupt, another envelope/nnsight version, or
@@ -37,6 +38,7 @@ from ..wire.envelope import (
 from ..wire.trust import (
     LOCAL_SIGNATURE_KEY,
     OPERATOR_KEY_ENV,
+    OPERATOR_KEY_FILE_ENV,
     NonceBook,
     UntrustedBlockError,
     check_operator,
@@ -76,8 +78,8 @@ def admit(xargs: dict, *, beam_search: bool = False) -> Refusal | None:
             HTTPStatus.FORBIDDEN,
             "NNsightBlocksDisabled",
             "this server does not run nnsight blocks sent over HTTP. The operator can "
-            f"turn them on by starting it with {OPERATOR_KEY_ENV} set to a secret key, "
-            "which clients then sign with.",
+            f"turn them on by starting it with {OPERATOR_KEY_ENV} (or {OPERATOR_KEY_FILE_ENV}) "
+            "set to a secret key, which clients then sign with.",
         )
     value = xargs[EXTRA_ARGS_KEY]
     try:

@@ -36,6 +36,9 @@ LOCAL_SIGNATURE_KEY = "nnsight_local_sig"
 #: The operator's key: set on a server to accept signed blocks over HTTP; a
 #: client reads the same variable to sign.
 OPERATOR_KEY_ENV = "VLLM_NNSIGHT_KEY"
+#: Or a file holding it, read on every request: a mounted secret, rotated (or
+#: emptied, which turns blocks off) without restarting the server.
+OPERATOR_KEY_FILE_ENV = "VLLM_NNSIGHT_KEY_FILE"
 #: The longest lifetime a server accepts on a signed envelope, in seconds.
 MAX_TTL_ENV = "VLLM_NNSIGHT_MAX_TTL_S"
 DEFAULT_MAX_TTL_S = 900.0
@@ -72,9 +75,20 @@ def check_local(envelope: object, signature: object) -> None:
 
 
 def operator_key(value: str | None = None) -> str | None:
-    """The operator key: ``value`` if given, else ``VLLM_NNSIGHT_KEY``, else None."""
-    key = value if value is not None else os.environ.get(OPERATOR_KEY_ENV)
-    return key or None
+    """The operator key: ``value`` if given, else ``VLLM_NNSIGHT_KEY``, else the
+    contents of ``VLLM_NNSIGHT_KEY_FILE``; None when none is set (blocks off)."""
+    if value:
+        return value
+    if os.environ.get(OPERATOR_KEY_ENV):
+        return os.environ[OPERATOR_KEY_ENV]
+    path = os.environ.get(OPERATOR_KEY_FILE_ENV)
+    if path:
+        try:
+            with open(path, encoding="utf-8") as handle:
+                return handle.read().strip() or None
+        except OSError:
+            return None
+    return None
 
 
 def max_ttl_s() -> float:

@@ -60,7 +60,7 @@ class _OwnNames(type):
 class NNsightWorkerExtension(metaclass=_OwnNames):
     """RPC endpoints; names are prefixed so they cannot clash with ``Worker``'s."""
 
-    def nnsight_collect(self, request_ids: list[str], outputs: bytes | None = None) -> bytes | None:
+    def nnsight_collect(self, request_ids: list[str], outputs: bytes | None = None) -> list[bytes] | None:
         # Only the front end's own call passes bytes; vLLM's development RPC route
         # passes strings, which must never reach the unpickler.
         if not isinstance(outputs, bytes | None) or not all(isinstance(i, str) for i in request_ids):

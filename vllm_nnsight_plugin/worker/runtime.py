@@ -49,6 +49,10 @@ class SaveLimitError(RuntimeError):
     """A request's saves were over the engine's limit."""
 
 
+class UnsendableSaveError(RuntimeError):
+    """A saved value could not be pickled to go back to the front end."""
+
+
 class CompiledForwardError(RuntimeError):
     """A block asked for a module location on an engine whose forward is compiled."""
 
@@ -285,26 +289,42 @@ class WorkerRuntime:
                 output.sampled_token_ids[self.rows[request_id]] = eos
 
     # ------------------------------------------------------------------ collect
-    def collect(self, request_ids: list[str], outputs: bytes | None) -> bytes | None:
+    def collect(self, request_ids: list[str], outputs: bytes | None) -> list[bytes] | None:
         """Wind up finished requests' blocks and return their saves and errors.
 
         ``outputs`` are the finished ``RequestOutput`` objects (pickled), which
-        serve ``tracer.result``; None only winds up (an aborted request).
+        serve ``tracer.result``; None only winds up (an aborted request). Each
+        request is packed on its own, so a save that cannot be sent (or is over
+        the limit) fails that request and no other collected with it.
         """
         if self.nnsight_requests is None:
             return None
         import pickle
 
+        from nnsight.intervention.errors import capture_exception
         from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner as R
 
         finished = pickle.loads(outputs) if outputs else None
-        reply = R.collect_nnsight(self, request_ids, request_ids, finished)
+        parts = []
+        for request_id in request_ids:
+            try:
+                part = R.collect_nnsight(self, [request_id], [request_id], finished)
+            except Exception as error:  # the block's state is already wound up
+                unsent = UnsendableSaveError(
+                    f"a value request {request_id} saved could not be sent back from the "
+                    f"engine ({error}). Save tensors (.detach().clone()) and plain Python "
+                    "values, not modules, parameters or objects holding them."
+                )
+                part = pickle.dumps(
+                    {request_id: {"saves": {}, "error": capture_exception(unsent), "sequences": {}}}
+                )
+            if not self.eager or len(part) > self.limits.max_save_bytes:
+                part = self._review(pickle.loads(part))
+            parts.append(part)
         for request_id in list(self.finished_at):
             if request_id not in self.nnsight_requests.requests:
                 del self.finished_at[request_id]
-        if not self.eager or len(reply) > self.limits.max_save_bytes:
-            reply = self._review(pickle.loads(reply))
-        return reply
+        return parts
 
     def _review(self, collected: dict) -> bytes:
         """Refuse oversize saves, and on a compiled engine say why a module location

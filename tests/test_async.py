@@ -1,0 +1,93 @@
+"""The async engine: ``VLLM(..., mode="async")`` and a stock ``AsyncLLM``."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+import vllm_nnsight_plugin
+from tests.conftest import ENGINE_DEFAULTS
+
+PROMPTS = [f"Note {i}: the capital of France is" for i in range(32)]
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """One event loop for the module: an ``AsyncLLM`` serves the loop it first ran in."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def run(loop):
+    return lambda coroutine: asyncio.run_coroutine_threadsafe(coroutine, loop).result(600)
+
+
+@pytest.fixture(scope="module")
+def async_model(smollm2_path):
+    from vllm_nnsight_plugin import VLLM
+
+    model = VLLM(smollm2_path, mode="async", dispatch=True, **ENGINE_DEFAULTS)
+    yield model
+    model.vllm_entrypoint.shutdown()
+
+
+async def traced(model, prompt):
+    with model.trace(prompt, temperature=0.0, max_tokens=4) as tracer:
+        hidden = model.model.layers[5].output[0].clone().save()  # noqa: F841 (on output.saves)
+    outputs = [output async for output in tracer.backend]
+    return outputs[-1], len(outputs)
+
+
+def test_32_concurrent_traces_from_one_loop(async_model, run, smol):
+    async def main():
+        return await asyncio.gather(*(traced(async_model, p) for p in PROMPTS))
+
+    results = run(main())
+    for prompt, (output, steps) in zip(PROMPTS, results):
+        assert output.finished and steps >= 1
+        with smol.trace(prompt, temperature=0.0, max_tokens=4) as tracer:
+            expected = smol.model.layers[5].output[0].clone().save()
+            tokens = tracer.result.save()
+        torch.testing.assert_close(output.saves["hidden"], expected, rtol=1e-4, atol=1e-4)
+        assert list(output.outputs[0].token_ids) == list(tokens.outputs[0].token_ids)
+
+
+def test_stock_async_generate_with_a_prepared_block(async_model, run):
+    with async_model.requests("The capital of France is", temperature=0.0, max_tokens=3) as tracer:
+        hidden = async_model.model.layers[3].output[0].save()  # noqa: F841
+    prepared = tracer.prepared
+    engine = async_model.vllm_entrypoint
+
+    async def main():
+        outputs = [o async for o in engine.generate(prepared.prompts[0], prepared.params[0], "stock-async-1")]
+        return outputs[-1]
+
+    output = run(main())
+    assert tuple(vllm_nnsight_plugin.saves(output)["hidden"].shape) == (5, 576)
+    assert output.outputs[0].text.startswith(" Paris")
+
+
+def test_an_abandoned_stream_leaves_nothing_behind(async_model, run):
+    engine = async_model.vllm_entrypoint
+
+    async def main():
+        with async_model.trace("Tell me a story", temperature=0.0, max_tokens=300, ignore_eos=True) as tracer:
+            async_model.model.layers[3].output[0].clone().save()
+        stream = tracer.backend.__aiter__()
+        await stream.__anext__()
+        await stream.aclose()
+        for _ in range(40):
+            if await engine.collective_rpc("nnsight_tracked") == [0]:
+                break
+            await asyncio.sleep(0.25)
+        return await engine.collective_rpc("nnsight_tracked")
+
+    assert run(main()) == [0]

@@ -1,0 +1,114 @@
+"""The server's door and the operator signature, with no engine or server."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import sys
+import time
+from http import HTTPStatus
+
+import pytest
+
+from vllm_nnsight_plugin.server.gate import admit
+from vllm_nnsight_plugin.versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT
+from vllm_nnsight_plugin.wire.envelope import ENVELOPE_VERSION, Envelope, open_envelope, seal
+from vllm_nnsight_plugin.wire.trust import (
+    LOCAL_KEY_ENV,
+    LOCAL_SIGNATURE_KEY,
+    NonceBook,
+    UntrustedBlockError,
+    check_local,
+    check_operator,
+)
+
+KEY = "k" * 64
+VERSIONS = dict(nnsight_version=SUPPORTED_NNSIGHT, plugin_version=PLUGIN_VERSION)
+
+
+@pytest.fixture(autouse=True)
+def keys(monkeypatch):
+    monkeypatch.setenv(LOCAL_KEY_ENV, "local-" + "0" * 58)
+    monkeypatch.delenv("VLLM_NNSIGHT_KEY", raising=False)
+    monkeypatch.delenv("VLLM_NNSIGHT_KEY_FILE", raising=False)
+
+
+def test_off_without_an_operator_key():
+    refusal = admit({"nnsight": seal(b"block", key=KEY, **VERSIONS)})
+    assert refusal.status == HTTPStatus.FORBIDDEN and refusal.kind == "NNsightBlocksDisabled"
+
+
+def test_a_signed_envelope_is_admitted_once_and_given_the_local_signature(monkeypatch):
+    monkeypatch.setenv("VLLM_NNSIGHT_KEY", KEY)
+    sealed = seal(b"block", key=KEY, **VERSIONS)
+    xargs = {"nnsight": sealed, LOCAL_SIGNATURE_KEY: "forged"}
+    assert admit(xargs) is None
+    check_local(sealed, xargs[LOCAL_SIGNATURE_KEY])  # the worker will accept it
+    replay = admit({"nnsight": sealed})
+    assert replay.status == HTTPStatus.FORBIDDEN and "replay" in replay.message
+
+
+def test_key_from_a_file_read_per_request(monkeypatch, tmp_path):
+    path = tmp_path / "key"
+    path.write_text("")
+    monkeypatch.setenv("VLLM_NNSIGHT_KEY_FILE", str(path))
+    assert admit({"nnsight": seal(b"b", key=KEY, **VERSIONS)}).kind == "NNsightBlocksDisabled"
+    path.write_text(KEY + "\n")
+    assert admit({"nnsight": seal(b"b", key=KEY, **VERSIONS)}) is None
+
+
+def test_a_refused_request_gets_no_local_signature(monkeypatch):
+    monkeypatch.setenv("VLLM_NNSIGHT_KEY", KEY)
+    xargs = {"nnsight": seal(b"b", **VERSIONS), LOCAL_SIGNATURE_KEY: "forged"}
+    assert admit(xargs).kind == "NNsightUntrustedBlock"
+    assert LOCAL_SIGNATURE_KEY not in xargs
+
+
+def tampered(sealed: str, **changes) -> str:
+    document = json.loads(base64.b64decode(sealed[5:]))
+    document.update(changes)
+    return "nns1:" + base64.b64encode(json.dumps(document).encode()).decode()
+
+
+@pytest.mark.parametrize(
+    "make, reason",
+    [
+        (lambda: seal(b"b", **VERSIONS), "not signed"),
+        (lambda: seal(b"b", key="w" * 64, **VERSIONS), "does not match"),
+        (
+            lambda: tampered(seal(b"b", key=KEY, **VERSIONS), payload=base64.b64encode(b"evil").decode()),
+            "does not match",
+        ),
+        (lambda: tampered(seal(b"b", key=KEY, **VERSIONS), expires=time.time() + 60), "does not match"),
+        (lambda: seal(b"b", key=KEY, ttl_s=10**6, **VERSIONS), "limit"),
+    ],
+)
+def test_signature_checks(make, reason):
+    envelope = open_envelope(make(), **VERSIONS)
+    with pytest.raises(UntrustedBlockError, match=reason):
+        check_operator(envelope, KEY, NonceBook())
+
+
+def test_a_short_operator_key_accepts_nothing():
+    envelope = open_envelope(seal(b"b", key="short", **VERSIONS), **VERSIONS)
+    with pytest.raises(UntrustedBlockError, match="shorter than"):
+        check_operator(envelope, "short", NonceBook())
+
+
+def test_signature_covers_every_field_but_itself():
+    envelope = open_envelope(seal(b"b", key=KEY, **VERSIONS), **VERSIONS)
+    assert set(Envelope.model_fields) - {"sig"} <= set(envelope.model_dump(exclude_none=True))
+    assert envelope.v == ENVELOPE_VERSION and envelope.nonce and envelope.expires
+
+
+def test_the_front_end_parts_do_not_import_nnsight():
+    """nnsight puts ``.save`` on every object, which breaks pydantic models the
+    OpenAI server builds per request: the server's front end must never import it."""
+    code = (
+        "import sys\n"
+        "import vllm_nnsight_plugin.server.gate, vllm_nnsight_plugin.server.responses\n"
+        "import vllm_nnsight_plugin.returns.outputs, vllm_nnsight_plugin.seams\n"
+        "assert 'nnsight' not in sys.modules, 'nnsight imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,348 @@
+"""The stock OpenAI server (``python -m vllm.entrypoints.openai.api_server``) with
+the plugin installed, started on 127.0.0.1 by the test, driven by the project's
+client, raw HTTP and the ``openai`` client.
+
+``served`` runs with an operator key read from a file, which starts empty (blocks
+off, the default) and is filled by ``armed``. ``stock`` runs with the plugin
+switched off: the reference for plain outputs.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+
+from tests.servers import KEY, start_server
+from vllm_nnsight_plugin.versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT
+from vllm_nnsight_plugin.wire.envelope import seal
+from vllm_nnsight_plugin.wire.saves import decode_request
+
+PROMPT = "The capital of France is"
+MAX_SAVE_BYTES = 8 * 1024 * 1024
+MAX_PAYLOAD_BYTES = 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def key_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("operator") / "key"
+    path.write_text("")
+    return path
+
+
+@pytest.fixture(scope="module")
+def served(smollm2_path, key_file, tmp_path_factory):
+    env = {
+        "VLLM_NNSIGHT_KEY_FILE": str(key_file),
+        "VLLM_SERVER_DEV_MODE": "1",  # for the nnsight_tracked RPC below
+        "VLLM_NNSIGHT_MAX_SAVE_BYTES": str(MAX_SAVE_BYTES),
+        "VLLM_NNSIGHT_MAX_PAYLOAD_BYTES": str(MAX_PAYLOAD_BYTES),
+    }
+    server = start_server(smollm2_path, str(tmp_path_factory.mktemp("logs") / "served.log"), env=env)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def armed(served, key_file):
+    key_file.write_text(KEY)
+    return served
+
+
+@pytest.fixture(scope="module")
+def client(smollm2_path):
+    from vllm_nnsight_plugin import VLLM
+
+    return VLLM(smollm2_path)  # the module tree only: no engine here
+
+
+def model_name(server) -> str:
+    return httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+
+
+def complete(server, prompt=PROMPT, max_tokens=4, **fields) -> httpx.Response:
+    body = {
+        "model": model_name(server),
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        **fields,
+    }
+    return httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+
+
+def assert_still_serving(server) -> None:
+    response = complete(server)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"].startswith(" Paris")
+
+
+def tracked(server) -> int:
+    response = httpx.post(f"{server.url}/collective_rpc", json={"method": "nnsight_tracked"}, timeout=30)
+    return sum(int(x) for x in response.json()["results"])
+
+
+class Canary:
+    """Unpickling this writes a file: proof that a payload was decoded."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def canary_envelope(path, **seal_kwargs) -> str:
+    return seal(
+        pickle.dumps(Canary(str(path))),
+        nnsight_version=seal_kwargs.pop("nnsight_version", SUPPORTED_NNSIGHT),
+        plugin_version=PLUGIN_VERSION,
+        **seal_kwargs,
+    )
+
+
+def test_blocks_are_off_until_the_operator_sets_a_key(served, client, tmp_path):
+    response = complete(served, vllm_xargs={"nnsight": canary_envelope(tmp_path / "c", key=KEY)})
+    assert response.status_code == 403
+    assert response.json()["error"]["type"] == "NNsightBlocksDisabled"
+    assert "VLLM_NNSIGHT_KEY" in response.json()["error"]["message"]
+    assert not (tmp_path / "c").exists()
+    with pytest.raises(Exception, match="403 NNsightBlocksDisabled"):
+        with client.trace(PROMPT, temperature=0.0, serve=served.url, key=KEY):
+            client.logits.save()
+    assert_still_serving(served)
+
+
+def test_served_trace_reads_like_the_offline_one(armed, client, smol):
+    def run(model, **serve):
+        with model.trace(PROMPT, temperature=0.0, max_tokens=3, **serve) as tracer:
+            hidden = model.model.layers[10].output[0].clone().save()
+            logits = model.logits.save()
+            out = tracer.result.save()
+        return hidden, logits, out
+
+    hidden, logits, out = run(client, serve=armed.url, key=KEY)
+    hidden_offline, logits_offline, out_offline = run(smol)
+    assert tuple(hidden.shape) == (5, 576) and hidden.dtype == torch.float32
+    torch.testing.assert_close(hidden, hidden_offline, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits, logits_offline, rtol=1e-4, atol=1e-4)
+    assert list(out.outputs[0].token_ids) == list(out_offline.outputs[0].token_ids)
+    assert out.outputs[0].text.startswith(" Paris")
+
+
+def test_served_invokes_steps_and_generate(armed, client):
+    with client.generate(temperature=0.0, max_tokens=3, serve=armed.url, key=KEY) as tracer:
+        with tracer.invoke("Paris is in"):
+            first = client.model.layers[3].output[0].clone().save()
+        with tracer.invoke("The capital of Japan is"):
+            tokens = list().save()
+            for _ in tracer.iter[:3]:
+                tokens.append(client.samples.item())
+    assert tuple(first.shape) == (3, 576)
+    assert len(tokens) == 3
+    assert client.tokenizer.decode(tokens).startswith(" Tokyo")
+
+
+def test_block_errors_come_back_with_their_traceback(armed, client):
+    with pytest.raises(RuntimeError, match="IndexError") as raised:
+        with client.trace(PROMPT, temperature=0.0, max_tokens=2, serve=armed.url, key=KEY):
+            row = client.model.layers[3].output[0][99].save()  # noqa: F841
+    assert "Intervention traceback" in str(raised.value)  # the block's, from the engine
+    assert_still_serving(armed)
+
+    with pytest.raises(RuntimeError, match="ReplacementShapeError"):
+        with client.trace(PROMPT, temperature=0.0, max_tokens=2, serve=armed.url, key=KEY):
+            client.model.layers[3].mlp.output = torch.zeros(1, 7)
+    assert_still_serving(armed)
+
+    with pytest.raises(RuntimeError, match="VLLM_NNSIGHT_MAX_SAVE_BYTES"):
+        with client.trace(PROMPT, temperature=0.0, max_tokens=2, serve=armed.url, key=KEY):
+            weight = client.model.embed_tokens.weight.detach().clone().save()  # noqa: F841 (113 MB > 8 MiB)
+    assert_still_serving(armed)
+
+    with pytest.raises(RuntimeError, match="UnsendableSaveError"):
+        with client.trace(PROMPT, temperature=0.0, max_tokens=2, serve=armed.url, key=KEY):
+            weight = client.model.embed_tokens.weight.save()  # noqa: F841 (a Parameter vLLM-CPU tags with a lambda)
+    assert_still_serving(armed)
+    assert tracked(armed) == 0
+
+
+def test_refusals_are_http_errors_and_run_nothing(armed, tmp_path):
+    cases = {
+        "unsigned": (canary_envelope(tmp_path / "a"), 403, "NNsightUntrustedBlock"),
+        "wrong key": (canary_envelope(tmp_path / "b", key="x" * 64), 403, "NNsightUntrustedBlock"),
+        "expired": (canary_envelope(tmp_path / "c", key=KEY, ttl_s=-1), 403, "NNsightUntrustedBlock"),
+        "too long-lived": (
+            canary_envelope(tmp_path / "d", key=KEY, ttl_s=10**6),
+            403,
+            "NNsightUntrustedBlock",
+        ),
+        "corrupt": ("nns1:!!!" + "A" * 40, 400, "NNsightBadEnvelope"),
+        "other nnsight": (
+            canary_envelope(tmp_path / "e", key=KEY, nnsight_version="0.0.1"),
+            400,
+            "NNsightBadEnvelope",
+        ),
+        "too large": (
+            seal(
+                b"x" * (2 * MAX_PAYLOAD_BYTES), nnsight_version=SUPPORTED_NNSIGHT, plugin_version="0", key=KEY
+            ),
+            413,
+            "NNsightPayloadTooLarge",
+        ),
+    }
+    for name, (envelope, status, kind) in cases.items():
+        # A client-made local signature is dropped, never trusted.
+        xargs = {"nnsight": envelope, "nnsight_local_sig": "0" * 64}
+        response = complete(armed, vllm_xargs=xargs)
+        assert response.status_code == status, (name, response.text)
+        assert response.json()["error"]["type"] == kind, name
+        for opened in tmp_path.iterdir():
+            pytest.fail(f"{name}: a refused payload was decoded ({opened.name})")
+        assert_still_serving(armed)
+
+
+def test_a_signed_envelope_is_good_once(armed, client):
+    with client.requests(PROMPT, key=KEY) as tracer:
+        client.logits.save()
+    xargs = tracer.prepared.vllm_xargs[0]
+    assert complete(armed, vllm_xargs=dict(xargs)).status_code == 200
+    again = complete(armed, vllm_xargs=dict(xargs))
+    assert again.status_code == 403 and "replay" in again.json()["error"]["message"]
+
+
+def test_openai_client_completions_chat_streams_n_and_stop(armed, client):
+    import openai
+
+    api = openai.OpenAI(base_url=f"{armed.url}/v1", api_key="unused")
+    name = model_name(armed)
+
+    def xargs():
+        with client.requests("unused", key=KEY) as tracer:
+            client.model.layers[3].output[0].clone().save()
+        return {"vllm_xargs": tracer.prepared.vllm_xargs[0]}
+
+    # Two prompts, two sequences each: one entry per prompt, one saves dict per sequence.
+    both = api.completions.create(
+        model=name,
+        prompt=[PROMPT, "Berlin is"],
+        max_tokens=3,
+        temperature=1.0,
+        seed=0,
+        n=2,
+        extra_body=xargs(),
+    )
+    entries = both.model_extra["nnsight"]["requests"]
+    assert len(entries) == 2 and len(both.choices) == 4
+    for entry, rows in zip(entries, (5, 3)):
+        saves, sequences = decode_request(entry)
+        assert len(sequences) == 2
+        assert all(next(iter(s.values())).shape[0] == rows for s in sequences)
+
+    stream = api.completions.create(
+        model=name, prompt=PROMPT, max_tokens=8, temperature=0.0, stream=True, stop=["."], extra_body=xargs()
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == " Paris"
+    assert chunks[-1].choices == [] and chunks[-1].id == chunks[0].id
+    assert decode_request(chunks[-1].model_extra["nnsight"]["requests"][0])[0]
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = api.chat.completions.create(
+        model=name, messages=messages, max_tokens=4, temperature=0.0, extra_body=xargs()
+    )
+    (entry,) = chat.model_extra["nnsight"]["requests"]
+    assert next(iter(decode_request(entry)[0].values())).shape[1] == 576
+    chat_chunks = list(
+        api.chat.completions.create(
+            model=name, messages=messages, max_tokens=4, temperature=0.0, stream=True, extra_body=xargs()
+        )
+    )
+    assert chat_chunks[-1].model_extra["nnsight"]["requests"]
+
+
+def test_a_block_error_in_a_stream_is_an_error_event(armed, client):
+    import openai
+
+    with client.requests(PROMPT, key=KEY) as tracer:
+        client.model.layers[3].output[0][99].save()
+    api = openai.OpenAI(base_url=f"{armed.url}/v1", api_key="unused")
+    stream = api.completions.create(
+        model=model_name(armed),
+        prompt=PROMPT,
+        max_tokens=3,
+        stream=True,
+        extra_body={"vllm_xargs": tracer.prepared.vllm_xargs[0]},
+    )
+    with pytest.raises(openai.APIError, match="IndexError"):
+        list(stream)
+    assert_still_serving(armed)
+
+
+def test_a_client_that_disconnects_leaves_nothing_behind(armed, client):
+    with client.requests(PROMPT, key=KEY) as tracer:
+        client.model.layers[3].output[0].clone().save()
+    body = {
+        "model": model_name(armed),
+        "prompt": PROMPT,
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+        "vllm_xargs": tracer.prepared.vllm_xargs[0],
+    }
+    with httpx.stream("POST", f"{armed.url}/v1/completions", json=body, timeout=60) as response:
+        assert next(response.iter_lines())  # generating
+    deadline = time.monotonic() + 30
+    while tracked(armed) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert tracked(armed) == 0
+    assert_still_serving(armed)
+
+
+def test_concurrent_traced_and_plain_requests(armed, stock, client, smol):
+    """16 traces and 16 plain requests at once: each trace gets its own saves (as
+    the offline path reads them), and plain outputs equal a server without the plugin."""
+    traced_prompts = [f"Fact number {i}: the capital of France is" for i in range(16)]
+    plain_prompts = [f"Question {i}: what is the largest ocean?" for i in range(16)]
+    barrier = threading.Barrier(32)
+
+    def trace(prompt):
+        barrier.wait()
+        with client.trace(prompt, temperature=0.0, max_tokens=4, serve=armed.url, key=KEY):
+            hidden = client.model.layers[5].output[0].clone().save()
+        return hidden
+
+    def plain(prompt, server=armed, wait=True):
+        if wait:
+            barrier.wait()
+        response = complete(server, prompt, max_tokens=8)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["text"]
+
+    with ThreadPoolExecutor(32) as pool:
+        traced = [pool.submit(trace, p) for p in traced_prompts]
+        plains = [pool.submit(plain, p) for p in plain_prompts]
+        traced = [f.result() for f in traced]
+        plains = [f.result() for f in plains]
+
+    for prompt, hidden in zip(traced_prompts, traced):
+        with smol.trace(prompt, temperature=0.0, max_tokens=4):
+            expected = smol.model.layers[5].output[0].clone().save()
+        torch.testing.assert_close(hidden, expected, rtol=1e-4, atol=1e-4)
+    reference = [plain(p, stock, wait=False) for p in plain_prompts]
+    assert plains == reference
+    assert tracked(armed) == 0
+
+
+@pytest.fixture(scope="module")
+def stock(smollm2_path, tmp_path_factory):
+    server = start_server(
+        smollm2_path, str(tmp_path_factory.mktemp("logs") / "stock.log"), env={"VLLM_NNSIGHT_DISABLE": "1"}
+    )
+    yield server
+    server.stop()
