@@ -21,6 +21,13 @@ def loop():
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     yield loop
+
+    async def cancel_the_rest():
+        for task in asyncio.all_tasks():
+            if task is not asyncio.current_task():
+                task.cancel()
+
+    asyncio.run_coroutine_threadsafe(cancel_the_rest(), loop).result(30)
     loop.call_soon_threadsafe(loop.stop)
     thread.join(10)
 
@@ -31,7 +38,7 @@ def run(loop):
 
 
 @pytest.fixture(scope="module")
-def async_model(smollm2_path):
+def async_model(smollm2_path, loop):
     from vllm_nnsight_plugin import VLLM
 
     model = VLLM(smollm2_path, mode="async", dispatch=True, **ENGINE_DEFAULTS)
@@ -80,7 +87,7 @@ def test_an_abandoned_stream_leaves_nothing_behind(async_model, run):
 
     async def main():
         with async_model.trace("Tell me a story", temperature=0.0, max_tokens=300, ignore_eos=True) as tracer:
-            async_model.model.layers[3].output[0].clone().save()
+            hidden = async_model.model.layers[3].output[0].clone().save()  # noqa: F841
         stream = tracer.backend.__aiter__()
         await stream.__anext__()
         await stream.aclose()

@@ -224,7 +224,7 @@ def test_openai_client_completions_chat_streams_n_and_stop(armed, client):
 
     def xargs():
         with client.requests("unused", key=KEY) as tracer:
-            client.model.layers[3].output[0].clone().save()
+            hidden = client.model.layers[3].output[0].clone().save()  # noqa: F841
         return {"vllm_xargs": tracer.prepared.vllm_xargs[0]}
 
     # Two prompts, two sequences each: one entry per prompt, one saves dict per sequence.
@@ -242,7 +242,7 @@ def test_openai_client_completions_chat_streams_n_and_stop(armed, client):
     for entry, rows in zip(entries, (5, 3)):
         saves, sequences = decode_request(entry)
         assert len(sequences) == 2
-        assert all(next(iter(s.values())).shape[0] == rows for s in sequences)
+        assert [tuple(s["hidden"].shape) for s in sequences] == [(rows, 576)] * 2
 
     stream = api.completions.create(
         model=name, prompt=PROMPT, max_tokens=8, temperature=0.0, stream=True, stop=["."], extra_body=xargs()
@@ -250,14 +250,17 @@ def test_openai_client_completions_chat_streams_n_and_stop(armed, client):
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == " Paris"
     assert chunks[-1].choices == [] and chunks[-1].id == chunks[0].id
-    assert decode_request(chunks[-1].model_extra["nnsight"]["requests"][0])[0]
+    assert tuple(decode_request(chunks[-1].model_extra["nnsight"]["requests"][0])[0]["hidden"].shape) == (
+        5,
+        576,
+    )
 
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     chat = api.chat.completions.create(
         model=name, messages=messages, max_tokens=4, temperature=0.0, extra_body=xargs()
     )
     (entry,) = chat.model_extra["nnsight"]["requests"]
-    assert next(iter(decode_request(entry)[0].values())).shape[1] == 576
+    assert decode_request(entry)[0]["hidden"].shape[1] == 576
     chat_chunks = list(
         api.chat.completions.create(
             model=name, messages=messages, max_tokens=4, temperature=0.0, stream=True, extra_body=xargs()
@@ -286,7 +289,7 @@ def test_a_block_error_in_a_stream_is_an_error_event(armed, client):
 
 def test_a_client_that_disconnects_leaves_nothing_behind(armed, client):
     with client.requests(PROMPT, key=KEY) as tracer:
-        client.model.layers[3].output[0].clone().save()
+        hidden = client.model.layers[3].output[0].clone().save()  # noqa: F841
     body = {
         "model": model_name(armed),
         "prompt": PROMPT,

@@ -25,6 +25,7 @@ instead (``client/remote.py``): no engine here, no GPU.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -37,6 +38,12 @@ from nnsight.tracing.backend import Backend
 from ..versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT, check_nnsight
 from ..wire.envelope import EXTRA_ARGS_KEY, seal
 from ..wire.trust import LOCAL_SIGNATURE_KEY, ensure_local_key, local_signature, operator_key
+
+#: The key to sign blocks with while requests for a server are being built (a
+#: context variable: traces may be built on several threads or tasks at once).
+_SERVER_KEY: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "vllm_nnsight_server_key", default=None
+)
 
 
 @dataclass
@@ -85,7 +92,6 @@ class VLLM(_NNsightVLLM):
                 "(the default for VLLM(..., dispatch=True)), where every location is served."
             )
         self._given_llm = None
-        self._server_key: str | None = None
         if _is_llm(model) or _is_async_llm(model):
             self._given_llm = model
             mode = "async" if _is_async_llm(model) else "sync"
@@ -134,7 +140,7 @@ class VLLM(_NNsightVLLM):
 
     def _attach_mediators(self, params: list, **kwargs: Any) -> list:
         attached = super()._attach_mediators(params, **kwargs)
-        _seal_params(params, len(attached), self._server_key)
+        _seal_params(params, len(attached), _SERVER_KEY.get())
         return attached
 
     def _call_served(
@@ -143,11 +149,11 @@ class VLLM(_NNsightVLLM):
         """``_call`` for ``serve=``: the same requests, sent to a server."""
         if any(lora is not None for lora in lora_requests):
             raise NotImplementedError("LoRA adapters are not sent to a server; load them there.")
-        self._server_key = server.key
+        token = _SERVER_KEY.set(server.key)
         try:
             mediators = self._attach_mediators(params, **kwargs)
         finally:
-            self._server_key = None
+            _SERVER_KEY.reset(token)
         outputs = server.run(prompts, params)
         self._collect(mediators, outputs)
         return outputs
@@ -223,11 +229,11 @@ class VLLM(_NNsightVLLM):
         prepared = PreparedRequests()
 
         def take(prompts: list, params: list, lora_requests: list, **kw: Any) -> None:
-            self._server_key = key
+            token = _SERVER_KEY.set(key)
             try:
                 attached = self._attach_mediators(params, **kw)
             finally:
-                self._server_key = None
+                _SERVER_KEY.reset(token)
             if len(attached) != len(params):
                 raise ValueError("every invoke needs a prompt")
             prepared.prompts[:] = prompts
