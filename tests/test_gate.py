@@ -112,3 +112,34 @@ def test_the_front_end_parts_do_not_import_nnsight():
         "assert 'nnsight' not in sys.modules, 'nnsight imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_operator_key_never_travels_inside_a_block(smollm2_path, monkeypatch):
+    """A block that names its tracer carries it (and what it references) along;
+    neither form of building a signed request may put the key in there."""
+    from vllm_nnsight_plugin import VLLM
+    from vllm_nnsight_plugin.client.remote import ServedOutput, Server
+
+    model = VLLM(smollm2_path)  # the tree only
+    with model.requests("The capital of France is", key=KEY) as tracer:
+        steps = list().save()
+        for _ in tracer.iter[:2]:
+            steps.append(model.logits)
+    built = open_envelope(tracer.prepared.vllm_xargs[0]["nnsight"], **VERSIONS)
+
+    sent = []
+
+    def run(self, prompts, params):
+        sent.extend(param.extra_args["nnsight"] for param in params)
+        return [ServedOutput(request_id="r")]
+
+    monkeypatch.setattr(Server, "run", run)
+    with model.trace("The capital of France is", serve="http://127.0.0.1:9", key=KEY) as tracer:
+        steps = list().save()
+        for _ in tracer.iter[:2]:
+            steps.append(model.logits)
+    served = open_envelope(sent[0], **VERSIONS)
+
+    for envelope in (built, served):
+        assert envelope.sig  # signed for the server...
+        assert KEY.encode() not in envelope.block_bytes()  # ...without carrying the key

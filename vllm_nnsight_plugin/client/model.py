@@ -227,21 +227,7 @@ class VLLM(_NNsightVLLM):
         ``extra_body``.
         """
         prepared = PreparedRequests()
-
-        def take(prompts: list, params: list, lora_requests: list, **kw: Any) -> None:
-            token = _SERVER_KEY.set(key)
-            try:
-                attached = self._attach_mediators(params, **kw)
-            finally:
-                _SERVER_KEY.reset(token)
-            if len(attached) != len(params):
-                raise ValueError("every invoke needs a prompt")
-            prepared.prompts[:] = prompts
-            prepared.params[:] = params
-            prepared.lora_requests[:] = lora_requests
-
-        take._no_engine = True  # type: ignore[attr-defined]
-        tracer = self.trace(*inputs, fn=take, **kwargs)
+        tracer = self.trace(*inputs, fn=_Take(self, prepared, key), **kwargs)
         tracer.prepared = prepared
         return tracer
 
@@ -292,6 +278,34 @@ def _is_async_llm(value: Any) -> bool:
     except ImportError:
         return False
     return isinstance(value, AsyncLLM)
+
+
+class _Take:
+    """The traced call of ``model.requests()``: keeps the requests instead of running them.
+
+    A block that names its tracer pickles it, and this with it; the key and the
+    requests stay here (see ``__getstate__``).
+    """
+
+    _no_engine = True
+
+    def __init__(self, model: VLLM, prepared: PreparedRequests, key: str | None) -> None:
+        self.model, self.prepared, self.key = model, prepared, key
+
+    def __call__(self, prompts: list, params: list, lora_requests: list, **kwargs: Any) -> None:
+        token = _SERVER_KEY.set(self.key)
+        try:
+            attached = self.model._attach_mediators(params, **kwargs)
+        finally:
+            _SERVER_KEY.reset(token)
+        if len(attached) != len(params):
+            raise ValueError("every invoke needs a prompt")
+        self.prepared.prompts[:] = prompts
+        self.prepared.params[:] = params
+        self.prepared.lora_requests[:] = lora_requests
+
+    def __getstate__(self) -> dict:
+        return {"model": None, "prepared": None, "key": None}
 
 
 class _AsyncBackend(AsyncVLLMBackend):
