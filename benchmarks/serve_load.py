@@ -43,9 +43,10 @@ def build_blocks(count: int, key: str, tokens: int) -> list[dict]:
     for _ in range(count):
         with model.requests("unused", key=key) as tracer:
             residual = list().save()
-            for _ in tracer.iter[:tokens]:
-                residual.append(model.model.layers[10].output[0].clone())
-            first_logits = model.logits.save()  # noqa: F841
+            for step in tracer.iter[:tokens]:
+                residual.append(sum(model.model.layers[10].output).clone())
+                if step == 0:
+                    first_logits = model.logits.save()  # noqa: F841
         blocks.append(tracer.prepared.vllm_xargs[0])
     return blocks
 
@@ -56,6 +57,7 @@ def run_phase(url: str, name: str, clients: int, seconds: float, tokens: int, bl
     model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
     latencies: list[float] = []
     errors = [0]
+    first_error: list[str] = []
     produced = [0]
     lock = threading.Lock()
     deadline = time.monotonic() + seconds
@@ -87,6 +89,8 @@ def run_phase(url: str, name: str, clients: int, seconds: float, tokens: int, bl
                     produced[0] += response.json()["usage"]["completion_tokens"]
                 else:
                     errors[0] += 1
+                    if not first_error:
+                        first_error.append(f"{response.status_code} {response.text[:300]}")
             count += 1
 
     started = time.monotonic()
@@ -109,6 +113,7 @@ def run_phase(url: str, name: str, clients: int, seconds: float, tokens: int, bl
         "tokens_per_s": produced[0] / wall,
         "p50_s": statistics.median(ordered) if ordered else float("nan"),
         "p99_s": percentile(0.99),
+        "first_error": first_error[0] if first_error else None,
     }
 
 
@@ -167,6 +172,9 @@ def main() -> None:
             f"{r['phase']:20} {r['requests']:8d} {r['errors']:6d} {r['requests_per_s']:7.2f} "
             f"{r['tokens_per_s']:7.1f} {r['p50_s']:7.2f} {r['p99_s']:7.2f}"
         )
+    for r in results:
+        if r["first_error"]:
+            print(f"first error in {r['phase']}: {r['first_error']}")
     if results[1]["requests"] and results[0]["requests"]:
         print(f"traced/plain: req/s {results[1]['requests_per_s'] / results[0]['requests_per_s']:.3f}")
 

@@ -9,21 +9,14 @@ import os
 
 import pytest
 
+from tests.engines import ENGINE_DEFAULTS
+
 # One engine at a time uses both cores; keep the client's torch from competing.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # How long a worker keeps a block nobody collected (default 30 s); short here so
 # the test of that expiry does not wait.
 UNCOLLECTED_S = 1.0
 os.environ.setdefault("VLLM_NNSIGHT_UNCOLLECTED_S", str(UNCOLLECTED_S))
-
-ENGINE_DEFAULTS = dict(
-    dtype="float32",
-    max_model_len=512,
-    gpu_memory_utilization=0.3,
-    kv_cache_memory_bytes=512 * 1024 * 1024,
-    max_num_seqs=16,
-    enforce_eager=True,
-)
 
 
 def start_llm(path: str, **overrides):

@@ -11,7 +11,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from tests.conftest import ENGINE_DEFAULTS
+from tests.engines import ENGINE_DEFAULTS
 
 #: The operator key test servers run with.
 KEY = secrets.token_hex(32)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import vllm_nnsight_plugin
-from tests.conftest import ENGINE_DEFAULTS
+from tests.engines import ENGINE_DEFAULTS
 
 PROMPTS = [f"Note {i}: the capital of France is" for i in range(32)]
 
