@@ -1,7 +1,7 @@
 """Load on a loopback OpenAI server with the plugin: plain requests against traced ones.
 
 One command starts the stock server (``python -m vllm.entrypoints.openai.api_server``)
-with an operator key, then runs two phases of ``--clients`` concurrent clients for
+with an operator key, warms it up, then runs two phases of ``--clients`` concurrent clients for
 ``--seconds`` each, against the same server:
 
 - ``plain``: ``/v1/completions`` requests with no block;
@@ -122,6 +122,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--warmup", type=float, default=10.0, help="seconds of unrecorded load first")
     parser.add_argument("--stock", action="store_true", help="also run the plain load with the plugin off")
     args = parser.parse_args()
 
@@ -138,6 +139,7 @@ def main() -> None:
         smollm2_path(), "/tmp/serve_load.log", env={"VLLM_NNSIGHT_KEY": key}, **overrides
     )
     try:
+        run_phase(server.url, "warm-up", args.clients, args.warmup, args.tokens, None)
         results = [run_phase(server.url, "plain", args.clients, args.seconds, args.tokens, None)]
         needed = int(results[0]["requests"] * 1.5) + args.clients
         blocks = build_blocks(needed, key, args.tokens)
