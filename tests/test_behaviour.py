@@ -253,36 +253,40 @@ class Canary:
         return (open, (self.path, "w"))
 
 
-def test_block_without_the_engines_key_is_refused_and_never_run(smollm2_llm, tmp_path, monkeypatch):
+def test_block_without_the_engines_key_is_refused_and_never_run(smollm2_llm, tmp_path):
+    import hashlib
+    import hmac
     import pickle
 
     from vllm_nnsight_plugin.versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT
     from vllm_nnsight_plugin.wire.envelope import EXTRA_ARGS_KEY, seal
-    from vllm_nnsight_plugin.wire.trust import LOCAL_KEY_ENV, LOCAL_SIGNATURE_KEY, local_signature
+    from vllm_nnsight_plugin.wire.trust import LOCAL_SIGNATURE_KEY, VOUCHED_KEY, RefusedBlockError, Vouched
 
-    def send(canary) -> object:
-        sealed = seal(
+    def envelope(canary) -> str:
+        return seal(
             pickle.dumps(Canary(str(canary))),
             nnsight_version=SUPPORTED_NNSIGHT,
             plugin_version=PLUGIN_VERSION,
         )
-        extra = {EXTRA_ARGS_KEY: sealed, LOCAL_SIGNATURE_KEY: local_signature(sealed)}
+
+    def send(extra) -> object:
         params = SamplingParams(temperature=0.0, max_tokens=2, extra_args=extra)
         return smollm2_llm.generate([PROMPT], params, use_tqdm=False)[0]
 
-    # Signed by a process that does not hold the engine's key (as anything on the
-    # network would be): refused before decoding, so the canary stays unwritten.
-    with monkeypatch.context() as patch:
-        patch.setenv(LOCAL_KEY_ENV, "not-the-engine-key")
-        refused = send(tmp_path / "refused")
-    with pytest.raises(Exception, match="signed in the engine's own process"):
-        vllm_nnsight_plugin.saves(refused)
+    # A block nobody in this process vouched for, with a signature made elsewhere
+    # (as anything from the network or a log would be): refused before decoding.
+    refused = envelope(tmp_path / "refused")
+    forged = hmac.new(b"another-key", refused.encode(), hashlib.sha256).hexdigest()
+    with pytest.raises(RefusedBlockError, match="neither built in this process"):
+        send({EXTRA_ARGS_KEY: refused, LOCAL_SIGNATURE_KEY: forged})
     assert not (tmp_path / "refused").exists()
-    # The same payload from the engine's own process is decoded: the canary is live.
-    accepted = send(tmp_path / "accepted")
+    assert plain_tokens(smollm2_llm, PROMPT, 2)[0] == smollm2_llm.get_tokenizer().encode(" Paris")[0]
+    # The same payload vouched for in the engine's own process is decoded: the canary is live.
+    accepted = envelope(tmp_path / "accepted")
+    output = send({EXTRA_ARGS_KEY: accepted, VOUCHED_KEY: Vouched(accepted)})
     assert (tmp_path / "accepted").exists()
     with pytest.raises(Exception, match="could not be loaded"):
-        vllm_nnsight_plugin.saves(accepted)  # not a block, so the request still fails
+        vllm_nnsight_plugin.saves(output)  # not a block, so the request still fails
 
 
 def test_uncollected_blocks_are_dropped_after_their_request_ends(smol, smollm2_llm):

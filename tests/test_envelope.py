@@ -68,20 +68,16 @@ def test_limits_from_environment(monkeypatch):
 
 
 def test_local_signature_accepts_only_the_engines_key(monkeypatch):
-    from vllm_nnsight_plugin.wire.trust import (
-        LOCAL_KEY_ENV,
-        UntrustedBlockError,
-        check_local,
-        local_signature,
-    )
+    from vllm_nnsight_plugin.wire import trust
 
-    monkeypatch.setenv(LOCAL_KEY_ENV, "engine-key")
+    trust.ensure_local_key()
     sealed = seal(b"x", **VERSIONS)
-    signature = local_signature(sealed)
-    check_local(sealed, signature)
-    for bad in (None, "", "0" * 64, local_signature(sealed + "x")):
-        with pytest.raises(UntrustedBlockError):
-            check_local(sealed, bad)
-    monkeypatch.delenv(LOCAL_KEY_ENV)
-    with pytest.raises(UntrustedBlockError):  # no key at all: nothing is trusted
-        check_local(sealed, signature)
+    signature = trust.local_signature(sealed)
+    trust.check_local(sealed, signature)
+    for bad in (None, "", "0" * 64, trust.local_signature(sealed + "x")):
+        with pytest.raises(trust.UntrustedBlockError):
+            trust.check_local(sealed, bad)
+    monkeypatch.setattr(trust, "_LOCAL_KEY", None)  # a process with no key at all
+    monkeypatch.delenv(trust.LOCAL_KEY_ENV, raising=False)
+    with pytest.raises(trust.UntrustedBlockError):  # trusts nothing
+        trust.check_local(sealed, signature)

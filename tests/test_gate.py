@@ -17,10 +17,12 @@ from vllm_nnsight_plugin.wire.envelope import ENVELOPE_VERSION, Envelope, open_e
 from vllm_nnsight_plugin.wire.trust import (
     LOCAL_KEY_ENV,
     LOCAL_SIGNATURE_KEY,
+    VOUCHED_KEY,
     NonceBook,
     UntrustedBlockError,
     check_local,
     check_operator,
+    local_signature,
 )
 
 KEY = "k" * 64
@@ -39,12 +41,12 @@ def test_off_without_an_operator_key():
     assert refusal.status == HTTPStatus.FORBIDDEN and refusal.kind == "NNsightBlocksDisabled"
 
 
-def test_a_signed_envelope_is_admitted_once_and_given_the_local_signature(monkeypatch):
+def test_a_signed_envelope_is_admitted_once_and_vouched_for(monkeypatch):
     monkeypatch.setenv("VLLM_NNSIGHT_KEY", KEY)
     sealed = seal(b"block", key=KEY, **VERSIONS)
-    xargs = {"nnsight": sealed, LOCAL_SIGNATURE_KEY: "forged"}
+    xargs = {"nnsight": sealed, LOCAL_SIGNATURE_KEY: "forged", VOUCHED_KEY: "forged"}
     assert admit(xargs) is None
-    check_local(sealed, xargs[LOCAL_SIGNATURE_KEY])  # the worker will accept it
+    assert LOCAL_SIGNATURE_KEY not in xargs and xargs[VOUCHED_KEY].covers(sealed)
     replay = admit({"nnsight": sealed})
     assert replay.status == HTTPStatus.FORBIDDEN and "replay" in replay.message
 
@@ -62,7 +64,7 @@ def test_a_refused_request_gets_no_local_signature(monkeypatch):
     monkeypatch.setenv("VLLM_NNSIGHT_KEY", KEY)
     xargs = {"nnsight": seal(b"b", **VERSIONS), LOCAL_SIGNATURE_KEY: "forged"}
     assert admit(xargs).kind == "NNsightUntrustedBlock"
-    assert LOCAL_SIGNATURE_KEY not in xargs
+    assert LOCAL_SIGNATURE_KEY not in xargs and VOUCHED_KEY not in xargs
 
 
 def tampered(sealed: str, **changes) -> str:
@@ -88,6 +90,26 @@ def test_signature_checks(make, reason):
     envelope = open_envelope(make(), **VERSIONS)
     with pytest.raises(UntrustedBlockError, match=reason):
         check_operator(envelope, KEY, NonceBook())
+
+
+def test_the_local_key_is_read_once(monkeypatch):
+    """A worker's key cannot be swapped through its environment after it started."""
+    signature = local_signature("envelope")
+    monkeypatch.setenv(LOCAL_KEY_ENV, "chosen-by-an-attacker")
+    assert local_signature("envelope") == signature
+    check_local("envelope", signature)
+    with pytest.raises(UntrustedBlockError):
+        check_local("envelope", "0" * 64)
+
+
+def test_a_nan_expiry_is_refused():
+    envelope = open_envelope(seal(b"b", key=KEY, **VERSIONS), **VERSIONS)
+    nan = envelope.model_copy(update={"expires": float("nan"), "sig": None})
+    from vllm_nnsight_plugin.wire.envelope import operator_signature
+
+    nan = nan.model_copy(update={"sig": operator_signature(nan, KEY)})
+    with pytest.raises(UntrustedBlockError, match="finite"):
+        check_operator(nan, KEY, NonceBook())
 
 
 def test_a_short_operator_key_accepts_nothing():

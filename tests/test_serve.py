@@ -207,6 +207,20 @@ def test_refusals_are_http_errors_and_run_nothing(armed, tmp_path):
         assert_still_serving(armed)
 
 
+def test_a_block_through_any_other_endpoint_is_refused_unread(armed, tmp_path):
+    """/v1/responses also fills extra_args from vllm_xargs; it is not a door for
+    blocks, and a signature copied from a log does not make it one."""
+    envelope = canary_envelope(tmp_path / "r", key=KEY)
+    forged = {"nnsight": envelope, "nnsight_local_sig": "0" * 64}
+    body = {"model": model_name(armed), "input": PROMPT, "max_output_tokens": 4, "vllm_xargs": forged}
+    response = httpx.post(f"{armed.url}/v1/responses", json=body, timeout=120)
+    assert response.status_code == 400, response.text
+    assert "neither built in this process" in response.text
+    assert not (tmp_path / "r").exists()
+    assert tracked(armed) == 0
+    assert_still_serving(armed)
+
+
 def test_a_signed_envelope_is_good_once(armed, client):
     with client.requests(PROMPT, key=KEY) as tracer:
         client.logits.save()

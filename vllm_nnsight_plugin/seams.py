@@ -13,10 +13,12 @@ Front end (the process that owns ``LLM``):
   config, so this is where the worker extension (the RPC endpoint) is added,
   composed with one the user set. It also asks for the V1 model runner, whose
   per-step layout the worker reads.
-- ``InputProcessor.process_inputs``: a request carrying a block must be computed
-  whole and must not leave edited KV under the plain prompt's block hashes (see
-  "prefix-cache pollution"), so it skips prefix-cache reads and gets a cache salt
-  of its own.
+- ``InputProcessor.process_inputs``: every request passes here in the front end,
+  so this is where a block is refused unless this process vouched for it, and
+  where the workers' signature is issued (``wire/trust.py``). A request carrying
+  a block must also be computed whole and must not leave edited KV under the
+  plain prompt's block hashes, so it skips prefix-cache reads and gets a cache
+  salt of its own.
 - ``LLMEngine.add_request`` / ``LLMEngine.step`` (offline ``LLM``) and
   ``AsyncLLM.generate``: when a request with a block finishes, its saves are
   fetched from the workers with one ``collective_rpc`` and put on the
@@ -118,11 +120,22 @@ def patch_engine_args() -> None:
 def patch_input_processor() -> None:
     from vllm.v1.engine.input_processor import InputProcessor
 
+    from .wire.trust import LOCAL_SIGNATURE_KEY, VOUCHED_KEY
+
     def make(original: Callable) -> Callable:
         def process_inputs(
             self: Any, request_id: str, prompt: Any, params: Any, *args: Any, **kwargs: Any
         ) -> Any:
-            if not carries_block(params):
+            extra = getattr(params, "extra_args", None)
+            if not extra or not (
+                EXTRA_ARGS_KEY in extra or LOCAL_SIGNATURE_KEY in extra or VOUCHED_KEY in extra
+            ):
+                return original(self, request_id, prompt, params, *args, **kwargs)
+            # The caller's params (and the extra_args dict the OpenAI server shares
+            # between a request's prompts) stay as they were; the engine gets a copy.
+            params = params.clone()
+            _sign_vouched(self, params.extra_args)
+            if EXTRA_ARGS_KEY not in params.extra_args:
                 return original(self, request_id, prompt, params, *args, **kwargs)
             # Cached prompt rows are never recomputed, so hooks would not see them.
             params.skip_reading_prefix_cache = True
@@ -136,6 +149,51 @@ def patch_input_processor() -> None:
         return process_inputs
 
     _wrap(InputProcessor, "process_inputs", make)
+
+
+@functools.cache
+def _refused_class() -> type:
+    """:class:`RefusedBlockError` that vLLM also reads as a bad request (HTTP 400)."""
+    from vllm.exceptions import VLLMValidationError
+
+    from .wire.trust import RefusedBlockError
+
+    return type("RefusedBlockError", (RefusedBlockError, VLLMValidationError), {})
+
+
+def _refused(message: str) -> Exception:
+    return _refused_class()(message)
+
+
+def _sign_vouched(processor: Any, extra: dict) -> None:
+    """Issue the worker's signature for a vouched block; refuse any other block.
+
+    Every request with a block passes here in the front end, whatever the entry
+    (``LLM``, ``AsyncLLM``, any HTTP endpoint), so this is the one place the
+    signature is made. A signature the request arrived with is dropped: it may
+    have been read from a log. See ``wire/trust.py``.
+    """
+    from .wire.trust import LOCAL_SIGNATURE_KEY, VOUCHED_KEY, Vouched, local_signature
+
+    vouched = extra.pop(VOUCHED_KEY, None)
+    extra.pop(LOCAL_SIGNATURE_KEY, None)
+    if EXTRA_ARGS_KEY not in extra:
+        return
+    envelope = extra[EXTRA_ARGS_KEY]
+    if not (isinstance(vouched, Vouched) and vouched.covers(envelope)):
+        raise _refused(
+            "this request carries an nnsight block that was neither built in this "
+            "process by the vllm_nnsight_plugin client nor admitted by the server's "
+            "nnsight door (/v1/completions or /v1/chat/completions with a block signed "
+            "with the operator's key); it is refused and none of it runs."
+        )
+    parallel = getattr(getattr(processor, "vllm_config", None), "parallel_config", None)
+    if getattr(parallel, "data_parallel_size", 1) > 1:
+        raise _refused(
+            "nnsight blocks are not supported with data_parallel_size > 1 yet (saves "
+            "are collected from one engine only); serve with one data-parallel rank."
+        )
+    extra[LOCAL_SIGNATURE_KEY] = local_signature(envelope)
 
 
 def patch_llm_engine() -> None:
@@ -205,16 +263,24 @@ def patch_async_llm() -> None:
         def generate(
             self: Any, prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any
         ) -> Any:
-            stream = original(self, prompt, sampling_params, request_id, *args, **kwargs)
             if not carries_block(sampling_params):
-                return stream
+                return original(self, prompt, sampling_params, request_id, *args, **kwargs)
             from .returns.outputs import traced_stream
             from .server.responses import current
 
+            # Saves are collected by request id: two traced requests may not share one.
+            in_flight = self.__dict__.setdefault("_nnsight_in_flight", set())
+            if request_id in in_flight:
+                raise ValueError(
+                    f"a request with id {request_id!r} carrying an nnsight block is already "
+                    "running; give each traced request its own id."
+                )
+            stream = original(self, prompt, sampling_params, request_id, *args, **kwargs)
             collector = current()  # set while the OpenAI handler runs
             if collector is not None:
                 collector.started(request_id)
-            return traced_stream(self, stream, request_id, collector.finished if collector else None)
+            on_finished = collector.finished if collector else None
+            return traced_stream(self, stream, request_id, on_finished, in_flight)
 
         return generate
 

@@ -37,7 +37,7 @@ from nnsight.tracing.backend import Backend
 
 from ..versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT, check_nnsight
 from ..wire.envelope import EXTRA_ARGS_KEY, seal
-from ..wire.trust import LOCAL_SIGNATURE_KEY, ensure_local_key, local_signature, operator_key
+from ..wire.trust import VOUCHED_KEY, Vouched, operator_key
 
 #: The key to sign blocks with while requests for a server are being built (a
 #: context variable: traces may be built on several threads or tasks at once).
@@ -64,19 +64,18 @@ class PreparedRequests:
 def _seal_params(params: list, count: int, server_key: str | None = None) -> None:
     """Move nnsight's serialized block into our envelope, on the first ``count`` params.
 
-    For an engine in this process the envelope is signed with the local key
-    (``wire/trust.py``); for a server, with the operator's ``server_key``.
+    For an engine in this process the envelope is vouched for (``wire/trust.py``);
+    for a server, signed with the operator's ``server_key``.
     """
-    if server_key is None:
-        ensure_local_key()  # an engine built later in this process inherits it
     for param in params[:count]:
         extra = param.extra_args
         block = extra.pop("nnsight_mediator")
-        extra[EXTRA_ARGS_KEY] = seal(
+        envelope = seal(
             block, nnsight_version=SUPPORTED_NNSIGHT, plugin_version=PLUGIN_VERSION, key=server_key
         )
+        extra[EXTRA_ARGS_KEY] = envelope
         if server_key is None:
-            extra[LOCAL_SIGNATURE_KEY] = local_signature(extra[EXTRA_ARGS_KEY])
+            extra[VOUCHED_KEY] = Vouched(envelope)
 
 
 class VLLM(_NNsightVLLM):

@@ -119,10 +119,16 @@ def wind_up_later(engine: Any, request_id: str) -> None:
 
 
 async def traced_stream(
-    engine: Any, stream: Any, request_id: str, on_finished: Callable[[Any], None] | None = None
+    engine: Any,
+    stream: Any,
+    request_id: str,
+    on_finished: Callable[[Any], None] | None = None,
+    in_flight: set | None = None,
 ) -> AsyncIterator[Any]:
     """vLLM's output stream for a traced request, with saves on the finished output."""
     finished = False
+    if in_flight is not None:
+        in_flight.add(request_id)
     try:
         async for output in stream:
             if output.finished:
@@ -132,6 +138,8 @@ async def traced_stream(
                     on_finished(output)
             yield output
     finally:
+        if in_flight is not None:
+            in_flight.discard(request_id)
         if not finished:
             await stream.aclose()  # vLLM aborts the request
             wind_up_later(engine, request_id)

@@ -16,9 +16,10 @@ code  type                         when
 413   ``NNsightPayloadTooLarge``   over ``VLLM_NNSIGHT_MAX_PAYLOAD_BYTES``
 ====  ===========================  ==============================================
 
-An admitted request gets the engine's local signature (``wire/trust.py``),
-which is what the worker checks. A local signature sent by the client is
-dropped first: only this door can issue one.
+An admitted request gets a :class:`~vllm_nnsight_plugin.wire.trust.Vouched`
+marker, which no JSON can carry; the front end's input processing turns it into
+the workers' signature (``wire/trust.py``). Anything a client sent under those
+keys is dropped first.
 """
 
 from __future__ import annotations
@@ -39,10 +40,11 @@ from ..wire.trust import (
     LOCAL_SIGNATURE_KEY,
     OPERATOR_KEY_ENV,
     OPERATOR_KEY_FILE_ENV,
+    VOUCHED_KEY,
     NonceBook,
     UntrustedBlockError,
+    Vouched,
     check_operator,
-    local_signature,
     operator_key,
 )
 
@@ -57,12 +59,15 @@ class Refusal:
 
 
 def carries_block(xargs: object) -> bool:
-    return isinstance(xargs, dict) and (EXTRA_ARGS_KEY in xargs or LOCAL_SIGNATURE_KEY in xargs)
+    return isinstance(xargs, dict) and any(
+        k in xargs for k in (EXTRA_ARGS_KEY, LOCAL_SIGNATURE_KEY, VOUCHED_KEY)
+    )
 
 
 def admit(xargs: dict, *, beam_search: bool = False) -> Refusal | None:
     """Check a request's ``vllm_xargs``; sign it for the engine, or say why not."""
     xargs.pop(LOCAL_SIGNATURE_KEY, None)
+    xargs.pop(VOUCHED_KEY, None)
     if EXTRA_ARGS_KEY not in xargs:
         return None
     if beam_search:
@@ -96,5 +101,5 @@ def admit(xargs: dict, *, beam_search: bool = False) -> Refusal | None:
         return Refusal(HTTPStatus.FORBIDDEN, "NNsightUntrustedBlock", str(error))
     except EnvelopeError as error:
         return Refusal(HTTPStatus.BAD_REQUEST, "NNsightBadEnvelope", str(error))
-    xargs[LOCAL_SIGNATURE_KEY] = local_signature(value)
+    xargs[VOUCHED_KEY] = Vouched(value)
     return None

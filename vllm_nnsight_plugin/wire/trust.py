@@ -1,27 +1,32 @@
 """Who may send a block, and how an engine tells.
 
-A block is code. An engine runs one only when the request carries a signature
+A block is code. A worker runs one only when the request carries a signature
 made with the engine's *local key*: a random secret created in the process that
 builds the engine (before its engine-core and worker processes start, which
-inherit it through the environment). Whoever holds it already runs code in the
-engine's process, so trusting them adds nothing:
+inherit it through the environment; each process reads it once, so a later
+change to the environment cannot forge it).
 
-- in the user's own process (``vllm.LLM``, ``AsyncLLM``), the client signs each
-  block with the local key when it seals it;
-- on a server, nothing on the network knows the local key. A block sent over
-  HTTP is refused unless the operator turned remote blocks on by setting an
-  *operator key*, and the envelope is signed with that key, unexpired and not
-  seen before. The server's HTTP layer checks that (``server/gate.py``) and only
-  then adds the local signature.
+The signature is issued in one place, the front end's input processing
+(``seams.patch_input_processor``), which first drops any signature a request
+arrived with. It signs only a request whose ``extra_args`` hold a
+:class:`Vouched` marker for its envelope: a Python object, which no JSON body,
+log line or other process can produce. Two things create one:
 
-Any other way in (another endpoint, a crafted ``extra_args``) has no local
-signature, so the worker refuses the block before decoding any of it.
+- the client, when it seals a block in the user's own process (offline
+  ``LLM``, ``AsyncLLM``, ``model.requests``);
+- the server's door (``server/gate.py``), after checking the operator's
+  signature: a block sent over HTTP must be signed with the *operator key*,
+  unexpired and not seen before.
+
+Anything else that carries a block (another endpoint, a replayed log line) is
+refused before any of it is decoded.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import os
 import secrets
 import threading
@@ -33,6 +38,8 @@ from .envelope import Envelope, operator_signature
 LOCAL_KEY_ENV = "VLLM_NNSIGHT_LOCAL_KEY"
 #: The ``extra_args`` key carrying the local signature.
 LOCAL_SIGNATURE_KEY = "nnsight_local_sig"
+#: The ``extra_args`` key carrying a :class:`Vouched` marker (front end only).
+VOUCHED_KEY = "nnsight_vouched"
 #: The operator's key: set on a server to accept signed blocks over HTTP; a
 #: client reads the same variable to sign.
 OPERATOR_KEY_ENV = "VLLM_NNSIGHT_KEY"
@@ -50,13 +57,48 @@ class UntrustedBlockError(PermissionError):
     """A block arrived without a signature this engine accepts."""
 
 
+class RefusedBlockError(ValueError):
+    """A request carries a block nobody in this process vouched for (a bad request)."""
+
+
+class Vouched:
+    """Marks an envelope as built or admitted in this process (see the module docstring)."""
+
+    __slots__ = ("digest",)
+
+    def __init__(self, envelope: str) -> None:
+        self.digest = hashlib.sha256(envelope.encode("utf-8", "replace")).digest()
+
+    def covers(self, envelope: object) -> bool:
+        return isinstance(envelope, str) and hmac.compare_digest(self.digest, Vouched(envelope).digest)
+
+    def __repr__(self) -> str:
+        return "<vouched nnsight block>"
+
+
+_LOCAL_KEY: str | None = None
+
+
+def local_key() -> str | None:
+    """This process's local key, read from the environment once and then kept."""
+    global _LOCAL_KEY
+    if _LOCAL_KEY is None:
+        _LOCAL_KEY = os.environ.get(LOCAL_KEY_ENV) or None
+    return _LOCAL_KEY
+
+
 def ensure_local_key() -> str:
-    """This process's local key, created on first use (before engine processes start)."""
-    return os.environ.setdefault(LOCAL_KEY_ENV, secrets.token_hex(32))
+    """Create this engine family's key if needed and export it to the processes
+    the engine is about to start."""
+    global _LOCAL_KEY
+    key = local_key() or secrets.token_hex(32)
+    _LOCAL_KEY = key
+    os.environ[LOCAL_KEY_ENV] = key
+    return key
 
 
 def local_signature(envelope: str) -> str | None:
-    key = os.environ.get(LOCAL_KEY_ENV)
+    key = local_key()
     if not key:
         return None
     return hmac.new(key.encode(), envelope.encode("utf-8", "replace"), hashlib.sha256).hexdigest()
@@ -67,10 +109,10 @@ def check_local(envelope: object, signature: object) -> None:
     expected = local_signature(envelope) if isinstance(envelope, str) else None
     if expected is None or not isinstance(signature, str) or not hmac.compare_digest(expected, signature):
         raise UntrustedBlockError(
-            "this engine runs a block only when it was signed in the engine's own "
-            "process (the vllm_nnsight_plugin client does that) or accepted by the "
-            "server's HTTP layer with the operator's key; this one was neither, so "
-            "none of it was run."
+            "this engine runs a block only when it was built in the engine's own "
+            "process (the vllm_nnsight_plugin client) or admitted by the server's "
+            "nnsight door with the operator's key; this one was neither, so none of "
+            "it was run."
         )
 
 
@@ -134,8 +176,8 @@ def check_operator(envelope: Envelope, key: str, nonces: NonceBook, now: float |
             "the block's signature does not match this server's operator key (a wrong "
             "key, or the envelope was changed on the way)."
         )
-    if envelope.expires is None or envelope.nonce is None:
-        raise UntrustedBlockError("a signed block needs an expiry and a nonce; build it again.")
+    if envelope.expires is None or envelope.nonce is None or not math.isfinite(envelope.expires):
+        raise UntrustedBlockError("a signed block needs a finite expiry and a nonce; build it again.")
     if envelope.expires < now:
         raise UntrustedBlockError("the signed block has expired; build the request again.")
     if envelope.expires - now > max_ttl_s():

@@ -23,6 +23,7 @@ import importlib
 from typing import Any
 
 from .. import seams
+from ..wire.trust import local_key
 from .runtime import WorkerRuntime
 
 _RUNTIME = "_vllm_nnsight_runtime"
@@ -44,6 +45,9 @@ def _on_step_failed(runner: Any) -> None:
 
 
 seams.patch_model_runner(_on_step, _on_step_failed)
+# Read the local key now, as the worker starts: a later change to this process's
+# environment (vLLM's development RPC route can make one) cannot forge it.
+local_key()
 
 
 class _OwnNames(type):
@@ -63,7 +67,11 @@ class NNsightWorkerExtension(metaclass=_OwnNames):
     def nnsight_collect(self, request_ids: list[str], outputs: bytes | None = None) -> list[bytes] | None:
         # Only the front end's own call passes bytes; vLLM's development RPC route
         # passes strings, which must never reach the unpickler.
-        if not isinstance(outputs, bytes | None) or not all(isinstance(i, str) for i in request_ids):
+        if (
+            not isinstance(outputs, bytes | None)
+            or not isinstance(request_ids, list | tuple)
+            or not all(isinstance(i, str) for i in request_ids)
+        ):
             raise TypeError("nnsight_collect takes request ids and pickled outputs from the front end")
         return runtime_of(self.model_runner).collect(list(request_ids), outputs)
 
