@@ -98,3 +98,27 @@ def test_an_abandoned_stream_leaves_nothing_behind(async_model, run):
         return await engine.collective_rpc("nnsight_tracked")
 
     assert run(main()) == [0]
+
+
+def test_two_traced_requests_may_not_share_an_id(async_model, run):
+    from vllm_nnsight_plugin.wire.trust import RefusedBlockError
+
+    def prepared():
+        with async_model.requests("The capital of France is", temperature=0.0, max_tokens=2) as tracer:
+            hidden = async_model.model.layers[3].output[0].save()  # noqa: F841
+        return tracer.prepared
+
+    first, second = prepared(), prepared()
+    engine = async_model.vllm_entrypoint
+
+    async def main():
+        stream = engine.generate(first.prompts[0], first.params[0], "shared-id")
+        with pytest.raises(RefusedBlockError, match="already running"):
+            engine.generate(second.prompts[0], second.params[0], "shared-id")
+        outputs = [o async for o in stream]
+        again = [o async for o in engine.generate(second.prompts[0], second.params[0], "shared-id")]
+        return outputs[-1], again[-1]
+
+    done, again = run(main())
+    assert vllm_nnsight_plugin.saves(done)["hidden"].shape[0] == 5
+    assert vllm_nnsight_plugin.saves(again)["hidden"].shape[0] == 5

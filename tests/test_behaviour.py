@@ -206,11 +206,15 @@ def test_stock_llm_with_prepared_params(smol, smollm2_llm):
 
 def test_corrupt_envelope_and_version_mismatch_are_request_errors(smollm2_llm):
     from vllm_nnsight_plugin.wire.envelope import EXTRA_ARGS_KEY, seal
+    from vllm_nnsight_plugin.wire.trust import VOUCHED_KEY, Vouched
+
+    def carrying(envelope: str) -> dict:  # vouched for, so the worker opens it
+        return {EXTRA_ARGS_KEY: envelope, VOUCHED_KEY: Vouched(envelope)}
 
     stale = seal(b"x", nnsight_version="0.0.1", plugin_version="0.0.1")
     params = [
-        SamplingParams(temperature=0.0, max_tokens=4, extra_args={EXTRA_ARGS_KEY: "garbage"}),
-        SamplingParams(temperature=0.0, max_tokens=4, extra_args={EXTRA_ARGS_KEY: stale}),
+        SamplingParams(temperature=0.0, max_tokens=4, extra_args=carrying("garbage")),
+        SamplingParams(temperature=0.0, max_tokens=4, extra_args=carrying(stale)),
         SamplingParams(temperature=0.0, max_tokens=4),
     ]
     outs = smollm2_llm.generate([PROMPT] * 3, params, use_tqdm=False)

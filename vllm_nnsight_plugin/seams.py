@@ -132,8 +132,10 @@ def patch_input_processor() -> None:
             ):
                 return original(self, request_id, prompt, params, *args, **kwargs)
             # The caller's params (and the extra_args dict the OpenAI server shares
-            # between a request's prompts) stay as they were; the engine gets a copy.
+            # between a request's prompts) stay as they were; the engine gets a copy
+            # (clone() is shallow when skip_clone is set, hence the dict of its own).
             params = params.clone()
+            params.extra_args = dict(extra)
             _sign_vouched(self, params.extra_args)
             if EXTRA_ARGS_KEY not in params.extra_args:
                 return original(self, request_id, prompt, params, *args, **kwargs)
@@ -158,7 +160,7 @@ def _refused_class() -> type:
 
     from .wire.trust import RefusedBlockError
 
-    return type("RefusedBlockError", (RefusedBlockError, VLLMValidationError), {})
+    return type("RefusedBlockError", (VLLMValidationError, RefusedBlockError), {})
 
 
 def _refused(message: str) -> Exception:
@@ -271,11 +273,12 @@ def patch_async_llm() -> None:
             # Saves are collected by request id: two traced requests may not share one.
             in_flight = self.__dict__.setdefault("_nnsight_in_flight", set())
             if request_id in in_flight:
-                raise ValueError(
+                raise _refused(
                     f"a request with id {request_id!r} carrying an nnsight block is already "
                     "running; give each traced request its own id."
                 )
             stream = original(self, prompt, sampling_params, request_id, *args, **kwargs)
+            in_flight.add(request_id)  # until the stream ends (``traced_stream``)
             collector = current()  # set while the OpenAI handler runs
             if collector is not None:
                 collector.started(request_id)

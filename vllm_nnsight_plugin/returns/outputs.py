@@ -127,8 +127,6 @@ async def traced_stream(
 ) -> AsyncIterator[Any]:
     """vLLM's output stream for a traced request, with saves on the finished output."""
     finished = False
-    if in_flight is not None:
-        in_flight.add(request_id)
     try:
         async for output in stream:
             if output.finished:
