@@ -2,6 +2,7 @@
 
     python scripts/gpu_smoke.py eager  MODEL_DIR
     python scripts/gpu_smoke.py graphs MODEL_DIR
+    python scripts/gpu_smoke.py async  MODEL_DIR
 
 Each mode starts one engine and prints ``RESULT {json}`` lines, one per check,
 with ``ok`` true or false and what was seen.
@@ -154,5 +155,59 @@ def main(mode: str, path: str) -> None:
     result("plain_unchanged", plain_ids() == base, base=base)
 
 
+def main_async(path: str) -> None:
+    """The async engine: concurrent traces, a stock ``generate`` with prepared
+    requests, a block nobody vouched for, and no state left behind."""
+    import asyncio
+
+    import vllm
+    from vllm import SamplingParams
+
+    import vllm_nnsight_plugin
+    from vllm_nnsight_plugin import VLLM
+    from vllm_nnsight_plugin.wire.envelope import EXTRA_ARGS_KEY
+    from vllm_nnsight_plugin.wire.trust import RefusedBlockError
+
+    started = time.time()
+    model = VLLM(
+        path, mode="async", dispatch=True, dtype="bfloat16", max_model_len=256, gpu_memory_utilization=0.3
+    )
+    engine = model.vllm_entrypoint
+    result("async_engine", True, vllm=vllm.__version__, startup_s=round(time.time() - started, 1))
+    prompts = [f"{PROMPT} {i}" for i in range(8)]
+
+    async def traced(prompt):
+        with model.trace(prompt, temperature=0.0, max_tokens=3) as tracer:
+            hidden = model.model.layers[0].output[0].clone().save()  # noqa: F841
+        return await tracer.backend
+
+    async def run():
+        finals = await asyncio.gather(*(traced(p) for p in prompts))
+        shapes = [tuple(f.saves["hidden"].shape) for f in finals]
+        result("async_traces", all(s[0] > 1 for s in shapes), shapes=shapes)
+
+        with model.requests(PROMPT, temperature=0.0, max_tokens=2) as tracer:
+            hidden = model.model.layers[0].output[0].clone().save()  # noqa: F841
+        prepared = tracer.prepared
+        outputs = [o async for o in engine.generate(prepared.prompts[0], prepared.params[0], "stock-1")]
+        saved = vllm_nnsight_plugin.saves(outputs[-1])
+        result("async_stock_generate", "hidden" in saved, shape=tuple(saved["hidden"].shape))
+
+        envelope = prepared.params[0].extra_args[EXTRA_ARGS_KEY]
+        unvouched = SamplingParams(temperature=0.0, max_tokens=2, extra_args={EXTRA_ARGS_KEY: envelope})
+        try:
+            _ = [o async for o in engine.generate(PROMPT, unvouched, "unvouched-1")]
+            result("async_unvouched_refused", False, error="no error raised")
+        except RefusedBlockError as error:
+            result("async_unvouched_refused", True, error=str(error)[:200])
+        result("async_tracked", await engine.collective_rpc("nnsight_tracked") == [0])
+
+    check("async", lambda: asyncio.run(run()))
+    engine.shutdown()
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    if sys.argv[1] == "async":
+        main_async(sys.argv[2])
+    else:
+        main(sys.argv[1], sys.argv[2])
