@@ -65,7 +65,7 @@ def carries_block(xargs: object) -> bool:
 
 
 def admit(xargs: dict, *, beam_search: bool = False) -> Refusal | None:
-    """Check a request's ``vllm_xargs``; sign it for the engine, or say why not."""
+    """Check a request's ``vllm_xargs``; vouch for its block, or say why not."""
     xargs.pop(LOCAL_SIGNATURE_KEY, None)
     xargs.pop(VOUCHED_KEY, None)
     if EXTRA_ARGS_KEY not in xargs:
