@@ -120,16 +120,14 @@ def patch_engine_args() -> None:
 def patch_input_processor() -> None:
     from vllm.v1.engine.input_processor import InputProcessor
 
-    from .wire.trust import LOCAL_SIGNATURE_KEY, VOUCHED_KEY
+    from .wire.trust import touches_trust
 
     def make(original: Callable) -> Callable:
         def process_inputs(
             self: Any, request_id: str, prompt: Any, params: Any, *args: Any, **kwargs: Any
         ) -> Any:
             extra = getattr(params, "extra_args", None)
-            if not extra or not (
-                EXTRA_ARGS_KEY in extra or LOCAL_SIGNATURE_KEY in extra or VOUCHED_KEY in extra
-            ):
+            if not touches_trust(extra):
                 return original(self, request_id, prompt, params, *args, **kwargs)
             # The caller's params (and the extra_args dict the OpenAI server shares
             # between a request's prompts) stay as they were; the engine gets a copy
@@ -295,9 +293,10 @@ def _serving_handler(original: Callable) -> Callable:
 
     async def handle(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         from .server import gate, responses
+        from .wire.trust import touches_trust
 
         xargs = getattr(request, "vllm_xargs", None)
-        if not gate.carries_block(xargs):
+        if not touches_trust(xargs):
             return await original(self, request, *args, **kwargs)
         refusal = gate.admit(xargs, beam_search=bool(getattr(request, "use_beam_search", False)))
         if refusal is not None:

@@ -148,14 +148,21 @@ class VLLM(_NNsightVLLM):
         """``_call`` for ``serve=``: the same requests, sent to a server."""
         if any(lora is not None for lora in lora_requests):
             raise NotImplementedError("LoRA adapters are not sent to a server; load them there.")
-        token = _SERVER_KEY.set(server.key)
+        mediators = self._attach_for_server(params, server.key, **kwargs)
         try:
-            mediators = self._attach_mediators(params, **kwargs)
+            outputs = server.run(prompts, params)
         finally:
-            _SERVER_KEY.reset(token)
-        outputs = server.run(prompts, params)
+            server.close()
         self._collect(mediators, outputs)
         return outputs
+
+    def _attach_for_server(self, params: list, key: str | None, **kwargs: Any) -> list:
+        """``_attach_mediators``, signing for a server's ``key`` (None: this process)."""
+        token = _SERVER_KEY.set(key)
+        try:
+            return self._attach_mediators(params, **kwargs)
+        finally:
+            _SERVER_KEY.reset(token)
 
     def interleave(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
         if getattr(fn, "_no_engine", False):
@@ -292,11 +299,7 @@ class _Take:
         self.model, self.prepared, self.key = model, prepared, key
 
     def __call__(self, prompts: list, params: list, lora_requests: list, **kwargs: Any) -> None:
-        token = _SERVER_KEY.set(self.key)
-        try:
-            attached = self.model._attach_mediators(params, **kwargs)
-        finally:
-            _SERVER_KEY.reset(token)
+        attached = self.model._attach_for_server(params, self.key, **kwargs)
         if len(attached) != len(params):
             raise ValueError("every invoke needs a prompt")
         self.prepared.prompts[:] = prompts

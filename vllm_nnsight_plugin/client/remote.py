@@ -173,6 +173,7 @@ class Server:
     def close(self) -> None:
         if self._client is not None:
             self._client.close()
+            self._client = None
 
 
 def _json(response: Any) -> dict | None:

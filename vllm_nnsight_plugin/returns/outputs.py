@@ -27,6 +27,11 @@ class BlockError(RuntimeError):
     """Raised by :func:`saves` when a request's block failed on the engine."""
 
 
+def empty_entry() -> dict:
+    """One request's reply from the workers, before anything is in it."""
+    return {"saves": {}, "error": None, "sequences": {}}
+
+
 def merge_replies(replies: list) -> dict:
     """Per request id, what the workers returned, over all ranks (each rank
     answers a list of pickled ``{request_id: entry}`` parts).
@@ -40,7 +45,7 @@ def merge_replies(replies: list) -> dict:
     parts = [part for reply in replies or () if reply is not None for part in reply]
     for part in parts:
         for request_id, entry in pickle.loads(part).items():
-            into = merged.setdefault(request_id, {"saves": {}, "error": None, "sequences": {}})
+            into = merged.setdefault(request_id, empty_entry())
             for name, value in (entry.get("saves") or {}).items():
                 into["saves"].setdefault(name, value)
             for index, sequence in (entry.get("sequences") or {}).items():
@@ -69,7 +74,7 @@ def attach_collected(outputs: list, replies: list) -> None:
     """Put what the workers returned on the finished outputs."""
     collected = merge_replies(replies)
     for output in outputs:
-        attach(output, collected.get(output.request_id) or {"saves": {}, "error": None, "sequences": {}})
+        attach(output, collected.get(output.request_id) or empty_entry())
 
 
 def saves(output: Any) -> dict:

@@ -58,12 +58,6 @@ class Refusal:
     message: str
 
 
-def carries_block(xargs: object) -> bool:
-    return isinstance(xargs, dict) and any(
-        k in xargs for k in (EXTRA_ARGS_KEY, LOCAL_SIGNATURE_KEY, VOUCHED_KEY)
-    )
-
-
 def admit(xargs: dict, *, beam_search: bool = False) -> Refusal | None:
     """Check a request's ``vllm_xargs``; vouch for its block, or say why not."""
     xargs.pop(LOCAL_SIGNATURE_KEY, None)

@@ -32,7 +32,7 @@ import secrets
 import threading
 import time
 
-from .envelope import Envelope, operator_signature
+from .envelope import EXTRA_ARGS_KEY, Envelope, operator_signature
 
 #: The environment variable holding the engine's local key.
 LOCAL_KEY_ENV = "VLLM_NNSIGHT_LOCAL_KEY"
@@ -51,6 +51,14 @@ MAX_TTL_ENV = "VLLM_NNSIGHT_MAX_TTL_S"
 DEFAULT_MAX_TTL_S = 900.0
 #: Shortest operator key accepted: a short secret is a guessable one.
 MIN_KEY_CHARS = 32
+
+
+def touches_trust(extra: object) -> bool:
+    """Whether a request's ``extra_args`` (or ``vllm_xargs``) hold a block or any
+    of the trust keys, all of which the front end must inspect or drop."""
+    return isinstance(extra, dict) and (
+        EXTRA_ARGS_KEY in extra or LOCAL_SIGNATURE_KEY in extra or VOUCHED_KEY in extra
+    )
 
 
 class UntrustedBlockError(PermissionError):

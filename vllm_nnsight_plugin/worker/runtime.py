@@ -304,6 +304,8 @@ class WorkerRuntime:
         from nnsight.intervention.errors import capture_exception
         from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner as R
 
+        from ..returns.outputs import empty_entry
+
         finished = pickle.loads(outputs) if outputs else None
         parts = []
         for request_id in request_ids:
@@ -315,9 +317,7 @@ class WorkerRuntime:
                     f"engine ({error}). Save tensors (.detach().clone()) and plain Python "
                     "values, not modules, parameters or objects holding them."
                 )
-                part = pickle.dumps(
-                    {request_id: {"saves": {}, "error": capture_exception(unsent), "sequences": {}}}
-                )
+                part = pickle.dumps({request_id: {**empty_entry(), "error": capture_exception(unsent)}})
             if not self.eager or len(part) > self.limits.max_save_bytes:
                 part = self._review(pickle.loads(part))
             parts.append(part)
