@@ -48,6 +48,7 @@ import functools
 import logging
 import os
 import pickle
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -97,6 +98,23 @@ def extension_for(current: str | None) -> str:
     return composed_name(current)
 
 
+#: Per engine config this process built (by id, checked by a weak reference, as
+#: configs are unhashable): whether it runs vLLM's V2 runner, which the plugin
+#: does not hook.
+_V2_RUNNER: dict[int, tuple[weakref.ref, bool]] = {}
+
+
+def _note_runner(config: Any) -> None:
+    for key in [k for k, (ref, _) in _V2_RUNNER.items() if ref() is None]:
+        del _V2_RUNNER[key]
+    _V2_RUNNER[id(config)] = (weakref.ref(config), bool(getattr(config, "use_v2_model_runner", False)))
+
+
+def runs_v2_runner(config: Any) -> bool:
+    ref, v2 = _V2_RUNNER.get(id(config), (None, False))
+    return v2 and ref is not None and ref() is config
+
+
 def patch_engine_args() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
@@ -110,7 +128,10 @@ def patch_engine_args() -> None:
             # variable lazily, so a default set here reaches the engine (0.25 GPU
             # and 0.32 GPU default to the V2 runner; the CPU build is always V1).
             os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-            return original(self, *args, **kwargs)
+            config = original(self, *args, **kwargs)
+            # Fixed now, as the engine is built: the variable may change later.
+            _note_runner(config)
+            return config
 
         return create_engine_config
 
@@ -187,7 +208,14 @@ def _sign_vouched(processor: Any, extra: dict) -> None:
             "nnsight door (/v1/completions or /v1/chat/completions with a block signed "
             "with the operator's key); it is refused and none of it runs."
         )
-    parallel = getattr(getattr(processor, "vllm_config", None), "parallel_config", None)
+    config = getattr(processor, "vllm_config", None)
+    if runs_v2_runner(config):
+        raise _refused(
+            "this engine runs vLLM's V2 model runner (VLLM_USE_V2_MODEL_RUNNER is set), "
+            "which the plugin does not instrument, so the block would never run; unset "
+            "VLLM_USE_V2_MODEL_RUNNER (the plugin then selects the V1 runner)."
+        )
+    parallel = getattr(config, "parallel_config", None)
     if getattr(parallel, "data_parallel_size", 1) > 1:
         raise _refused(
             "nnsight blocks are not supported with data_parallel_size > 1 yet (saves "
@@ -413,7 +441,52 @@ def patch_model_runner(on_step: Callable[[Any, Any], None], on_step_end: Callabl
 
         return execute_model
 
+    def make_dispatch(original: Callable) -> Callable:
+        def determine(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.__dict__.get(UNCOMPILED_STEP):
+                kwargs["force_eager"] = True  # no CUDA graph for this step's batch
+            result = original(self, *args, **kwargs)
+            mode = getattr(result[0], "name", str(result[0]))
+            counts = self.__dict__.setdefault(GRAPH_MODES, {})
+            counts[mode] = counts.get(mode, 0) + 1
+            return result
+
+        return determine
+
     _wrap(GPUModelRunner, "execute_model", make)
+    _wrap(GPUModelRunner, "_determine_batch_execution_and_padding", make_dispatch)
+
+
+#: Set on a runner for a step whose forward must run as plain Python.
+UNCOMPILED_STEP = "_nnsight_uncompiled_step"
+#: On a runner: how many forwards vLLM dispatched in each CUDA-graph mode.
+GRAPH_MODES = "_nnsight_graph_modes"
+
+
+def graph_mode_counts(runner: Any) -> dict[str, int]:
+    return dict(runner.__dict__.get(GRAPH_MODES, {}))
+
+
+def runner_name(runner: Any) -> str:
+    return f"{type(runner).__module__}.{type(runner).__qualname__}"
+
+
+def mark_uncompiled_step(runner: Any, uncompiled: bool) -> None:
+    """Run (or stop running) this runner's next forward without CUDA graphs."""
+    runner.__dict__[UNCOMPILED_STEP] = uncompiled
+
+
+def skip_compiled_forward() -> None:
+    """Make the model's ``@support_torch_compile`` module call its Python forward.
+
+    Called from the root module's forward pre-hook, inside the step's forward
+    context: vLLM's decorator reads ``skip_compiled`` there on every call (0.25
+    and 0.32), and it is what vLLM itself uses for steps a compiled graph cannot
+    serve.
+    """
+    from vllm.forward_context import get_forward_context
+
+    get_forward_context().skip_compiled = True
 
 
 class StepLayout:

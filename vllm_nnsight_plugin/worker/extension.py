@@ -78,6 +78,9 @@ class NNsightWorkerExtension(metaclass=_OwnNames):
     def nnsight_tracked(self) -> int:
         return runtime_of(self.model_runner).tracked()
 
+    def nnsight_stats(self) -> dict:
+        return runtime_of(self.model_runner).stats()
+
 
 def composed_name(user_qualname: str) -> str:
     """The qualified name that resolves to ``user class + NNsightWorkerExtension``."""

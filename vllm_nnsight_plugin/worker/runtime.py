@@ -15,6 +15,11 @@ plain torch hooks instead of a replacement model runner:
 - a forward hook on ``runner.sampler`` serves ``model.samples``, ends any
   request whose block raised, and snapshots what each block saved.
 
+Module hooks fire only where the forward runs as Python. On an engine that
+compiles its forward (torch.compile, CUDA graphs), a step in which some block
+may run is dispatched without a CUDA graph and with the compiled module bypassed;
+every other step keeps vLLM's compiled, graphed path.
+
 The nnsight tree over the live model is built only when the first request with
 a block arrives, so an engine that never sees one is never instrumented.
 """
@@ -39,6 +44,7 @@ logger = logging.getLogger("vllm_nnsight_plugin")
 #: for a busy front end's collect to arrive, short enough not to hold memory.
 _UNCOLLECTED_STEPS = 8
 _UNCOLLECTED_ENV = "VLLM_NNSIGHT_UNCOLLECTED_S"
+_FALSY = {"", "0", "false", "no", "off"}
 
 
 class ChunkedPromptError(RuntimeError):
@@ -54,7 +60,11 @@ class UnsendableSaveError(RuntimeError):
 
 
 class CompiledForwardError(RuntimeError):
-    """A block asked for a module location on an engine whose forward is compiled."""
+    """A block asked for a module location in a forward that ran compiled."""
+
+
+#: ``0`` keeps every step compiled: a module location is then refused, not served.
+_EAGER_STEPS_ENV = "VLLM_NNSIGHT_EAGER_STEPS"
 
 
 class WorkerRuntime:
@@ -72,6 +82,12 @@ class WorkerRuntime:
         self.persistent: dict = {}
         self.limits = Limits.from_env()
         self.eager = seams.engine_is_eager(runner.vllm_config)
+        # On a compiled engine, a step that runs a block runs its forward as Python
+        # (module hooks fire there and nowhere else); every other step keeps the
+        # engine's CUDA graphs and compiled code.
+        self.eager_steps = os.environ.get(_EAGER_STEPS_ENV, "1").strip().lower() not in _FALSY
+        self.uncompiled = False  # this step's forward runs as Python
+        self.uncompiled_steps = 0
         self.scheduler_output: Any = None
         self.in_step = False
         self.open = False  # the interleaver is entered for this step's forward
@@ -124,6 +140,26 @@ class WorkerRuntime:
         ):
             self._build()
         self.in_step = self.nnsight_model is not None
+        self.uncompiled = (
+            self.in_step and not self.eager and self.eager_steps and self._runs_a_block(scheduler_output)
+        )
+        seams.mark_uncompiled_step(self.runner, self.uncompiled)
+
+    def _runs_a_block(self, scheduler_output: Any) -> bool:
+        """Whether a block may run in this step (a new one, or one still running)."""
+        if any(
+            seams.carries_block(getattr(data, "sampling_params", None))
+            for data in getattr(scheduler_output, "scheduled_new_reqs", ())
+        ):
+            return True
+        requests = self.nnsight_requests.requests
+        for request_id in getattr(scheduler_output, "num_scheduled_tokens", None) or ():
+            request = requests.get(request_id)
+            if request is not None and any(
+                m.worker is None or m.alive or m.caches for m in request.workers()
+            ):
+                return True
+        return False
 
     def _expire(self, finished: Any) -> None:
         """Wind up blocks of requests that finished and were never collected.
@@ -151,6 +187,7 @@ class WorkerRuntime:
 
     def abandon_step(self) -> None:
         """The step raised: close the interleaver so nothing leaks into the next."""
+        self._end_uncompiled()
         if self.open:
             self.nnsight_model.interleaver.__exit__(None, None, None)
             self.open = False
@@ -214,7 +251,15 @@ class WorkerRuntime:
             request.mediator = None
             request.copies = {}
 
+    def _end_uncompiled(self) -> None:
+        if self.uncompiled:
+            self.uncompiled = False
+            seams.mark_uncompiled_step(self.runner, False)
+
     def _on_forward(self, module: Any, args: Any) -> None:
+        if self.uncompiled:
+            seams.skip_compiled_forward()
+            self.uncompiled_steps += 1
         if self.in_step and not self.open:
             self._start_step()
 
@@ -271,6 +316,7 @@ class WorkerRuntime:
 
         self.open = False
         self.in_step = False
+        self._end_uncompiled()
         model = self.nnsight_model
         R._still_running(self)
         output.sampled_token_ids = type(model).samples.provide(model, output.sampled_token_ids)
@@ -318,7 +364,7 @@ class WorkerRuntime:
                     "values, not modules, parameters or objects holding them."
                 )
                 part = pickle.dumps({request_id: {**empty_entry(), "error": capture_exception(unsent)}})
-            if not self.eager or len(part) > self.limits.max_save_bytes:
+            if (not self.eager and not self.eager_steps) or len(part) > self.limits.max_save_bytes:
                 part = self._review(pickle.loads(part))
             parts.append(part)
         for request_id in list(self.finished_at):
@@ -350,9 +396,11 @@ class WorkerRuntime:
                 entry["error"] = capture_exception(
                     CompiledForwardError(
                         "this engine compiles the model's forward (torch.compile or CUDA "
-                        "graphs), where module hooks do not fire, so a module location was "
-                        "never reached. model.logits and model.samples work on any engine; "
-                        "for module locations build the engine with enforce_eager=True."
+                        "graphs), where module hooks do not fire, and it was started with "
+                        f"{_EAGER_STEPS_ENV}=0, so a step with a block stays compiled and a "
+                        "module location was never reached. model.logits and model.samples "
+                        f"work on any engine; for module locations unset {_EAGER_STEPS_ENV} "
+                        "or build the engine with enforce_eager=True."
                     )
                 )
         return pickle.dumps(collected)
@@ -360,3 +408,13 @@ class WorkerRuntime:
     def tracked(self) -> int:
         """How many requests' blocks this worker still holds (a leak gauge)."""
         return 0 if self.nnsight_requests is None else len(self.nnsight_requests.requests)
+
+    def stats(self) -> dict[str, Any]:
+        """What this worker did: blocks held, steps run as Python on a compiled engine."""
+        return {
+            "tracked": self.tracked(),
+            "compiled_engine": not self.eager,
+            "uncompiled_steps": self.uncompiled_steps,
+            "graph_modes": seams.graph_mode_counts(self.runner),
+            "runner": seams.runner_name(self.runner),
+        }

@@ -1,0 +1,302 @@
+"""The GPU benchmark: the plugin against plain vLLM on the same engine settings.
+
+    python benchmarks/gpu_bench.py run OUT_DIR MODEL_DIR [--engines A,B,...]
+
+Every engine runs in its own process (the plugin is off in a process with
+``VLLM_PLUGINS=""``, and a plugin patches classes process-wide). Each prints
+``RESULT {json}`` lines that the parent gathers into ``OUT_DIR/results.jsonl``
+and a table (``python benchmarks/gpu_bench.py table OUT_DIR``).
+
+Engines (MODEL_DIR holds a config and tokenizer; weights are ``load_format="dummy"``):
+
+- ``off-graphs``  plugin not loaded: stock vLLM, CUDA graphs and torch.compile
+- ``on-graphs``   plugin installed, same settings: idle, steer, capture, logit lens
+- ``off-eager``   stock vLLM with ``enforce_eager=True``
+- ``on-eager``    plugin, eager engine: the same jobs, to split forward from block cost
+- ``nnsight``     nnsight 0.8.1's own vLLM integration (eager; plugin off)
+- ``hf``          nnsight on HF transformers (``LanguageModel``), the usual baseline
+
+Jobs: ``plain`` 64 prompts x 128 tokens (repeated), ``plain1000`` 1,000 x 128,
+``forward`` one 32-token prompt, one token (latency), ``steer`` add a vector to
+one layer's output at every step (64 x 128), ``capture`` keep one layer's output
+for every token (1,000 x 128; 64 x 128 for the anchors), ``lens`` the logit lens
+over every layer for one prompt (latency).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROMPT_LEN, TOKENS, CONCURRENT, MANY = 32, 128, 64, 1000
+LAYER = 18
+ENGINE = dict(
+    load_format="dummy",
+    dtype="bfloat16",
+    max_model_len=1024,
+    max_num_seqs=256,
+    gpu_memory_utilization=0.85,
+)
+if os.environ.get("GPU_BENCH_SMALL"):  # a dry run of the script itself, on a CPU
+    PROMPT_LEN, TOKENS, CONCURRENT, MANY, LAYER = 8, 4, 4, 8, 1
+    ENGINE.update(
+        dtype="float32",
+        max_model_len=256,
+        max_num_seqs=16,
+        gpu_memory_utilization=0.3,
+        kv_cache_memory_bytes=1 << 28,
+    )
+
+
+def result(**seen) -> None:
+    print("RESULT " + json.dumps(seen), flush=True)
+
+
+def prompts(n: int) -> list[list[int]]:
+    """Token-id prompts (the dummy model's tokenizer is tiny; no detokenizing)."""
+    return [[(7 * i + 13 * j) % 1000 + 1 for j in range(PROMPT_LEN)] for i in range(n)]
+
+
+def timed(fn) -> float:
+    import torch
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+# ---------------------------------------------------------------- the blocks
+def steer(model, batch, tokens, vector) -> None:
+    layer = model.model.layers[LAYER]
+    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+        for ids in batch:
+            with tracer.invoke(ids):
+                for _ in tracer.iter[:tokens]:
+                    hidden = layer.output[0]
+                    hidden[:] += vector.to(hidden.device, hidden.dtype)
+
+
+def capture(model, batch, tokens) -> int:
+    """Rows kept in all (prompt rows plus one per generated token, per request)."""
+    layer = model.model.layers[LAYER]
+    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+        for ids in batch:
+            with tracer.invoke(ids):
+                rows = list().save()
+                for _ in tracer.iter[:tokens]:
+                    rows.append(layer.output[0].clone())
+    per_request = rows if len(batch) > 1 else [rows]
+    return sum(sum(r.shape[0] for r in kept) for kept in per_request)
+
+
+def lens(model, ids) -> list:
+    import torch
+
+    with model.trace(ids, temperature=0.0, max_tokens=1, detokenize=False):
+        weight, gain = model.lm_head.weight, model.model.norm.weight
+        tops = list().save()
+        for layer in model.model.layers:
+            hidden, residual = layer.output
+            stream = (hidden[-1:] + residual[-1:]).float()
+            normed = stream * torch.rsqrt(stream.pow(2).mean(-1, keepdim=True) + 1e-6) * gain.float()
+            tops.append((normed.to(weight.dtype) @ weight.T).argmax(-1))
+    return tops
+
+
+# ---------------------------------------------------------------- engines
+def hidden_size(path: str) -> int:
+    return json.loads((Path(path) / "config.json").read_text())["hidden_size"]
+
+
+def unit_vector(path: str):
+    import torch
+
+    torch.manual_seed(0)
+    vector = torch.randn(hidden_size(path))
+    return 0.01 * vector / vector.norm()
+
+
+def vllm_engine(name: str, path: str, repeats: int) -> None:
+    from vllm import LLM, SamplingParams
+
+    plugin, kind = name.split("-")
+    t0 = time.perf_counter()
+    llm = LLM(path, enforce_eager=(kind == "eager"), **ENGINE)
+    result(engine=name, job="startup", s=round(time.perf_counter() - t0, 1))
+    params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True, detokenize=False)
+    few, many = prompts(CONCURRENT), prompts(MANY)
+    llm.generate(few[:8], SamplingParams(max_tokens=16, ignore_eos=True, detokenize=False), use_tqdm=False)
+
+    def plain(batch):
+        return timed(lambda: llm.generate(batch, params, use_tqdm=False))
+
+    for _ in range(repeats):
+        result(engine=name, job="plain", tok_s=round(CONCURRENT * TOKENS / plain(few), 1))
+    if kind == "graphs":
+        result(engine=name, job="plain1000", tok_s=round(MANY * TOKENS / plain(many), 1))
+    one = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+    walls = [timed(lambda: llm.generate(few[:1], one, use_tqdm=False)) for _ in range(12)]
+    result(engine=name, job="forward", ms=round(1000 * statistics.median(walls[2:]), 2))
+    if plugin == "off":
+        return
+
+    from vllm_nnsight_plugin import VLLM
+
+    model = VLLM(llm)
+    vector = unit_vector(path)
+    steer(model, few[:4], 8, vector)  # warm-up: builds the worker's tree
+    for _ in range(max(1, repeats // 2)):
+        wall = timed(lambda: steer(model, few, TOKENS, vector))
+        result(engine=name, job="steer", tok_s=round(CONCURRENT * TOKENS / wall, 1))
+    n = MANY if kind == "graphs" else CONCURRENT
+    kept = []
+    wall = timed(lambda: kept.append(capture(model, prompts(n), TOKENS)))
+    rows = kept[0]
+    result(engine=name, job=f"capture{n}", tok_s=round(n * TOKENS / wall, 1), rows=rows)
+    lens(model, few[0])
+    walls = [timed(lambda: lens(model, few[0])) for _ in range(10)]
+    result(engine=name, job="lens", ms=round(1000 * statistics.median(walls[2:]), 2))
+    (stats,) = llm.collective_rpc("nnsight_stats")
+    result(engine=name, job="stats", **stats)
+
+
+def nnsight_engine(path: str) -> None:
+    """nnsight's own vLLM integration (its runner), eager, as its docs build it."""
+    from nnsight.modeling.vllm import VLLM
+
+    t0 = time.perf_counter()
+    model = VLLM(path, dispatch=True, enforce_eager=True, **ENGINE)
+    result(engine="nnsight", job="startup", s=round(time.perf_counter() - t0, 1))
+    few = prompts(CONCURRENT)
+    vector = unit_vector(path)
+    steer(model, few[:4], 8, vector)
+    wall = timed(lambda: steer(model, few, TOKENS, vector))
+    result(engine="nnsight", job="steer", tok_s=round(CONCURRENT * TOKENS / wall, 1))
+    wall = timed(lambda: capture(model, few, TOKENS))
+    result(engine="nnsight", job=f"capture{CONCURRENT}", tok_s=round(CONCURRENT * TOKENS / wall, 1))
+    lens(model, few[0])
+    walls = [timed(lambda: lens(model, few[0])) for _ in range(10)]
+    result(engine="nnsight", job="lens", ms=round(1000 * statistics.median(walls[2:]), 2))
+
+
+def hf_engine(path: str) -> None:
+    """nnsight's ``LanguageModel`` on HF transformers, random bf16 weights on the GPU."""
+    import torch
+    from nnsight import LanguageModel
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(path)
+    t0 = time.perf_counter()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        hf = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, ENGINE["dtype"]))
+    model = LanguageModel(hf.eval(), tokenizer=AutoTokenizer.from_pretrained(path))
+    result(engine="hf", job="startup", s=round(time.perf_counter() - t0, 1))
+    batch = torch.tensor(prompts(CONCURRENT), device=device)
+    mask = torch.ones_like(batch)
+    vector = unit_vector(path).to(device, hf.dtype)
+    args = dict(max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False, pad_token_id=0)
+
+    def hf_steer():
+        with model.generate({"input_ids": batch, "attention_mask": mask}, **args) as tracer:
+            with tracer.all():
+                out = model.model.layers[LAYER].output
+                hidden = out[0] if isinstance(out, tuple) else out
+                hidden[:] += vector
+
+    def hf_capture():
+        with model.generate({"input_ids": batch, "attention_mask": mask}, **args) as tracer:
+            rows = list().save()
+            with tracer.all():
+                out = model.model.layers[LAYER].output
+                rows.append((out[0] if isinstance(out, tuple) else out).clone())
+
+    for name, fn in (("steer", hf_steer), (f"capture{CONCURRENT}", hf_capture)):
+        wall = timed(fn)
+        result(engine="hf", job=name, tok_s=round(CONCURRENT * TOKENS / wall, 1))
+
+
+# ---------------------------------------------------------------- driver
+def run(out: Path, path: str, engines: list[str], repeats: int) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    sink = (out / "results.jsonl").open("a")
+    for name in engines:
+        env = dict(os.environ)
+        if not name.startswith("on-"):
+            env["VLLM_PLUGINS"] = ""  # load no vLLM plugin in this process
+        command = [sys.executable, __file__, "engine", name, path, str(repeats)]
+        log = (out / f"{name}.log").open("w")
+        started = time.perf_counter()
+        proc = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=log, text=True, timeout=560)
+        for line in proc.stdout.splitlines():
+            if line.startswith("RESULT "):
+                sink.write(line[7:] + "\n")
+                print(line, flush=True)
+        print(f"# {name}: rc={proc.returncode} in {time.perf_counter() - started:.0f} s", flush=True)
+        sink.flush()
+
+
+def table(out: Path) -> str:
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines() if line]
+    by: dict[tuple[str, str], list[float]] = {}
+    for row in rows:
+        value = row.get("tok_s", row.get("ms"))
+        if value is not None:
+            by.setdefault((row["engine"], row["job"]), []).append(value)
+    median = {key: statistics.median(values) for key, values in by.items()}
+    base = median.get(("off-graphs", "plain"))
+    base1000 = median.get(("off-graphs", "plain1000"))
+    forward = median.get(("on-graphs", "forward"))
+    lines = [
+        "| engine | job | median | runs | vs plain vLLM (graphs) |",
+        "| --- | --- | ---: | ---: | ---: |",
+    ]
+    for (engine, job), values in sorted(by.items()):
+        unit = "ms" if job in ("forward", "lens") else "tok/s"
+        ref = base1000 if job in ("plain1000", "capture1000") else base
+        if job == "lens":
+            ratio = f"{median[(engine, job)] / forward:.2f}x one forward" if forward else ""
+        elif unit == "tok/s" and ref:
+            ratio = f"{median[(engine, job)] / ref:.3f}"
+        else:
+            ratio = ""
+        spread = f"{min(values):,.0f}-{max(values):,.0f}" if len(values) > 1 else ""
+        lines.append(
+            f"| {engine} | {job} | {median[(engine, job)]:,.1f} {unit} | {len(values)} {spread} | {ratio} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    command = sys.argv[1]
+    if command == "engine":
+        name, path, repeats = sys.argv[2], sys.argv[3], int(sys.argv[4])
+        if name == "nnsight":
+            nnsight_engine(path)
+        elif name == "hf":
+            hf_engine(path)
+        else:
+            vllm_engine(name, path, repeats)
+    elif command == "run":
+        out, path = Path(sys.argv[2]), sys.argv[3]
+        engines = "off-graphs,on-graphs,off-eager,on-eager,nnsight,hf"
+        repeats = 5
+        for arg in sys.argv[4:]:
+            if arg.startswith("--engines="):
+                engines = arg.split("=", 1)[1]
+            if arg.startswith("--repeats="):
+                repeats = int(arg.split("=", 1)[1])
+        run(out, path, engines.split(","), repeats)
+        print(table(out))
+    elif command == "table":
+        print(table(Path(sys.argv[2])))
+    else:
+        sys.exit(__doc__)

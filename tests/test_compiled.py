@@ -1,0 +1,96 @@
+"""A compiled engine (``enforce_eager=False``: vLLM's torch.compile path on this CPU,
+CUDA graphs too on a GPU). Module hooks never fire inside compiled code, so a step
+that runs a block runs its forward as Python and every other step stays compiled;
+with that fallback switched off, a module location is refused, never ignored."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from vllm import SamplingParams
+
+from tests.conftest import start_llm, stop_llm
+from vllm_nnsight_plugin import VLLM
+
+PROMPT = "The capital of France is"
+
+
+def uncompiled_steps(llm) -> int:
+    (stats,) = llm.collective_rpc("nnsight_stats")
+    assert stats["compiled_engine"] is True
+    return stats["uncompiled_steps"]
+
+
+def steered_reads(model, vector, steps=4):
+    with model.trace(PROMPT, temperature=0.0, max_tokens=steps) as tracer:
+        reads, logits = list().save(), list().save()
+        for _ in tracer.iter[:steps]:
+            reads.append(model.model.layers[10].output[0].clone())
+            model.model.layers[10].output[0][:] += 8.0 * vector
+            logits.append(model.logits.clone())
+        out = tracer.result.save()
+    return reads, logits, list(out.outputs[0].token_ids)
+
+
+@pytest.fixture(scope="module")
+def compiled(smollm2_path):
+    llm = start_llm(smollm2_path, enforce_eager=False)
+    yield llm
+    stop_llm(llm)
+
+
+def test_compiled_engine_serves_module_locations_like_an_eager_one(compiled, smol):
+    torch.manual_seed(0)
+    vector = torch.randn(576)
+    vector = vector / vector.norm()
+    before = uncompiled_steps(compiled)
+    reads, logits, tokens = steered_reads(VLLM(compiled), vector)
+    assert uncompiled_steps(compiled) - before == 4  # the block ran in four steps
+    want_reads, want_logits, want_tokens = steered_reads(smol, vector)
+    assert tokens == want_tokens
+    assert [tuple(r.shape) for r in reads] == [(5, 576), (1, 576), (1, 576), (1, 576)]
+    for got, want in zip(reads, want_reads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for got, want in zip(logits, want_logits):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_only_steps_with_a_running_block_leave_the_compiled_path(compiled):
+    model = VLLM(compiled)
+    before = uncompiled_steps(compiled)
+    compiled.generate([PROMPT] * 3, SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
+    assert uncompiled_steps(compiled) == before
+    with model.trace(PROMPT, temperature=0.0, max_tokens=6):
+        first = model.model.layers[3].output[0].clone().save()  # the first step only
+    assert tuple(first.shape) == (5, 576)
+    assert uncompiled_steps(compiled) - before == 1
+
+
+@pytest.fixture(scope="module")
+def compiled_no_fallback(smollm2_path, compiled):
+    stop_llm(compiled)  # one engine at a time on two cores
+    os.environ["VLLM_NNSIGHT_EAGER_STEPS"] = "0"  # read by the workers it spawns
+    try:
+        llm = start_llm(smollm2_path, enforce_eager=False)
+    finally:
+        del os.environ["VLLM_NNSIGHT_EAGER_STEPS"]
+    yield llm
+    stop_llm(llm)
+
+
+def test_without_the_fallback_a_module_location_is_refused_not_ignored(compiled_no_fallback, smol):
+    model = VLLM(compiled_no_fallback)
+    with pytest.raises(Exception, match="CompiledForwardError"):
+        with model.trace(PROMPT, temperature=0.0):
+            model.model.layers[10].output[0].clone().save()
+    # logits and samples are served outside the forward, compiled or not.
+    with model.trace(PROMPT, temperature=0.0):
+        logits = model.logits.save()
+    with smol.trace(PROMPT, temperature=0.0):
+        want = smol.logits.save()
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+    assert uncompiled_steps(compiled_no_fallback) == 0
+    (stats,) = compiled_no_fallback.collective_rpc("nnsight_stats")
+    assert stats["tracked"] == 0
