@@ -5,7 +5,7 @@
 Every engine runs in its own process (the plugin is off in a process with
 ``VLLM_PLUGINS=""``, and a plugin patches classes process-wide). Each prints
 ``RESULT {json}`` lines that the parent gathers into ``OUT_DIR/results.jsonl``
-and a table (``python benchmarks/gpu_bench.py table OUT_DIR``).
+and a table (``python benchmarks/gpu_bench.py table OUT_DIR_OR_JSONL...``).
 
 Engines (MODEL_DIR holds a config and tokenizer; weights are ``load_format="dummy"``):
 
@@ -42,6 +42,8 @@ ENGINE = dict(
     max_num_seqs=256,
     gpu_memory_utilization=0.85,
 )
+if os.environ.get("GPU_BENCH_REAL"):  # a checkpoint with weights (SmolLM2)
+    ENGINE.update(load_format="auto")
 if os.environ.get("GPU_BENCH_SMALL"):  # a dry run of the script itself, on a CPU
     PROMPT_LEN, TOKENS, CONCURRENT, MANY, LAYER = 8, 4, 4, 8, 1
     ENGINE.update(
@@ -187,6 +189,32 @@ def nnsight_engine(path: str) -> None:
     result(engine="nnsight", job="lens", ms=round(1000 * statistics.median(walls[2:]), 2))
 
 
+def profile_engine(path: str) -> None:
+    """Where a steered step's time goes: cProfile over engine and worker in one
+    process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), eager, 64 requests x 32 tokens."""
+    import cProfile
+    import pstats
+
+    from vllm import LLM
+
+    from vllm_nnsight_plugin import VLLM
+
+    llm = LLM(path, enforce_eager=True, **ENGINE)
+    model = VLLM(llm)
+    vector, few = unit_vector(path), prompts(CONCURRENT)
+    steer(model, few[:4], 8, vector)
+    profiler = cProfile.Profile()
+    wall = timed(lambda: profiler.runcall(steer, model, few, 32, vector))
+    result(engine="profile", job="steer", tok_s=round(CONCURRENT * 32 / wall, 1), s=round(wall, 2))
+    stats = pstats.Stats(profiler)
+    rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:30]  # by own time
+    for (file, line, fn), (_, calls, own, total, _) in rows:
+        where = f"{'/'.join(file.split('/')[-3:])}:{line}:{fn}"
+        result(
+            engine="profile", job="top", fn=where, calls=calls, own_s=round(own, 3), total_s=round(total, 3)
+        )
+
+
 def hf_engine(path: str) -> None:
     """nnsight's ``LanguageModel`` on HF transformers, random bf16 weights on the GPU."""
     import torch
@@ -230,7 +258,9 @@ def run(out: Path, path: str, engines: list[str], repeats: int) -> None:
     sink = (out / "results.jsonl").open("a")
     for name in engines:
         env = dict(os.environ)
-        if not name.startswith("on-"):
+        if name == "profile":
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        elif not name.startswith("on-"):
             env["VLLM_PLUGINS"] = ""  # load no vLLM plugin in this process
         command = [sys.executable, __file__, "engine", name, path, str(repeats)]
         log = (out / f"{name}.log").open("w")
@@ -244,17 +274,19 @@ def run(out: Path, path: str, engines: list[str], repeats: int) -> None:
         sink.flush()
 
 
-def table(out: Path) -> str:
-    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines() if line]
+def table(*paths: Path) -> str:
+    """Medians and ratios; each path is a run's folder or a ``results.jsonl``."""
+    files = [p / "results.jsonl" if p.is_dir() else p for p in paths]
+    rows = [json.loads(line) for f in files for line in f.read_text().splitlines() if line]
     by: dict[tuple[str, str], list[float]] = {}
     for row in rows:
         value = row.get("tok_s", row.get("ms"))
-        if value is not None:
+        if value is not None and row["engine"] != "profile":
             by.setdefault((row["engine"], row["job"]), []).append(value)
     median = {key: statistics.median(values) for key, values in by.items()}
     base = median.get(("off-graphs", "plain"))
     base1000 = median.get(("off-graphs", "plain1000"))
-    forward = median.get(("on-graphs", "forward"))
+    forward = median.get(("off-graphs", "forward"))
     lines = [
         "| engine | job | median | runs | vs plain vLLM (graphs) |",
         "| --- | --- | ---: | ---: | ---: |",
@@ -263,7 +295,7 @@ def table(out: Path) -> str:
         unit = "ms" if job in ("forward", "lens") else "tok/s"
         ref = base1000 if job in ("plain1000", "capture1000") else base
         if job == "lens":
-            ratio = f"{median[(engine, job)] / forward:.2f}x one forward" if forward else ""
+            ratio = f"{median[(engine, job)] / forward:.2f}x a plain forward" if forward else ""
         elif unit == "tok/s" and ref:
             ratio = f"{median[(engine, job)] / ref:.3f}"
         else:
@@ -281,6 +313,8 @@ if __name__ == "__main__":
         name, path, repeats = sys.argv[2], sys.argv[3], int(sys.argv[4])
         if name == "nnsight":
             nnsight_engine(path)
+        elif name == "profile":
+            profile_engine(path)
         elif name == "hf":
             hf_engine(path)
         else:
@@ -297,6 +331,6 @@ if __name__ == "__main__":
         run(out, path, engines.split(","), repeats)
         print(table(out))
     elif command == "table":
-        print(table(Path(sys.argv[2])))
+        print(table(*[Path(p) for p in sys.argv[2:]]))
     else:
         sys.exit(__doc__)

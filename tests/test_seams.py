@@ -101,6 +101,23 @@ def test_runner_layout_attributes_are_where_the_worker_reads_them():
     assert "req_ids" in inspect.getsource(InputBatch)
 
 
+def test_the_switches_a_python_step_on_a_compiled_engine_relies_on():
+    from vllm.compilation.decorators import _support_torch_compile
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    # A step with a block is dispatched with force_eager (no CUDA graph) ...
+    determine = inspect.unwrap(GPUModelRunner._determine_batch_execution_and_padding)
+    assert "force_eager" in inspect.signature(determine).parameters
+    assert "valid_modes={CUDAGraphMode.NONE} if force_eager" in inspect.getsource(determine)
+    # ... and the compiled module calls its Python forward when skip_compiled is set.
+    assert "skip_compiled" in ForwardContext.__dataclass_fields__
+    assert "get_forward_context().skip_compiled" in inspect.getsource(_support_torch_compile)
+    # The engine config says, once built, whether it runs the V2 runner.
+    assert "use_v2_model_runner" in inspect.getsource(VllmConfig)
+
+
 def test_register_is_cheap_and_idempotent():
     code = (
         "import sys, vllm\n"

@@ -80,13 +80,13 @@ def hf(smollm2_path):
     return AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.bfloat16).cuda().eval()
 
 
-def steered(model, vector, prompt=PROMPT, steps=6):
+def steered(model, vector, prompt=PROMPT, steps=6, scale=40.0):
     with model.trace(prompt, temperature=0.0, max_tokens=steps) as tracer:
         reads, logits = list().save(), list().save()
         for _ in tracer.iter[:steps]:
             hidden = model.model.layers[15].output[0]
             reads.append(hidden.clone())
-            hidden[:] += 4.0 * vector.to(hidden.device)
+            hidden[:] += scale * vector.to(hidden.device)
             logits.append(model.logits.clone())
         out = tracer.result.save()
     return reads, logits, list(out.outputs[0].token_ids)
@@ -117,31 +117,38 @@ def test_an_idle_engine_keeps_compile_and_cuda_graphs(graphed):
 
 
 def test_a_traced_step_runs_as_python_and_matches_an_eager_engine(graphed, eager):
-    vector = unit()
     before = stats(graphed)
-    reads, logits, tokens = steered(VLLM(graphed), vector)
+    reads, logits, tokens = steered(VLLM(graphed), unit(), scale=0.0)
     after = stats(graphed)
     assert after["uncompiled_steps"] - before["uncompiled_steps"] == 6
     assert after["graph_modes"].get("NONE", 0) - before["graph_modes"].get("NONE", 0) >= 6
-    want_reads, want_logits, want_tokens = steered(VLLM(eager), vector)
+    want_reads, want_logits, want_tokens = steered(VLLM(eager), unit(), scale=0.0)
     assert tokens == want_tokens
     assert [tuple(r.shape) for r in reads] == [(5, 576)] + [(1, 576)] * 5
     for got, want in zip(reads + logits, want_reads + want_logits):
         assert cosine(got, want) >= 0.999
-    # The edit landed: the steered continuation differs from the plain one.
+
+
+def test_steering_a_graphed_engine_matches_an_eager_one(graphed, eager):
+    reads, _, tokens = steered(VLLM(graphed), unit())
+    want_reads, _, want_tokens = steered(VLLM(eager), unit())
+    assert tokens == want_tokens
+    # A large edit amplifies bf16 rounding, which differs between the two engines'
+    # kernels (fused on the eager engine, plain torch on a compiled one's step).
+    for got, want in zip(reads, want_reads):
+        assert cosine(got, want) >= 0.99
     plain = graphed.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
-    assert list(plain[0].outputs[0].token_ids) != tokens
+    assert list(plain[0].outputs[0].token_ids) != tokens  # the edit landed
 
 
 def test_traced_and_plain_requests_share_a_graphed_engine(graphed, eager):
     def run(llm):
         model = VLLM(llm)
         with model.trace(temperature=0.0, max_tokens=4) as tracer:
-            seen = list().save()
             for prompt in PROMPTS:
                 with tracer.invoke(prompt):
-                    seen.append(model.model.layers[20].output[0].clone())
-        return seen
+                    seen = model.model.layers[20].output[0].clone().save()
+        return seen  # one entry per invoke
 
     plain_before = graphed.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     got, want = run(graphed), run(eager)
@@ -202,12 +209,12 @@ def test_clone_reads_makes_every_read_a_copy(smollm2_path, eager):
         with model.trace(PROMPT, temperature=0.0, max_tokens=6) as tracer:
             for _ in tracer.iter[:6]:
                 hidden = model.model.layers[15].output[0]
-                hidden[:] += 4.0 * vector.to(hidden.device)  # edits the copy: lost
+                hidden[:] += 40.0 * vector.to(hidden.device)  # edits the copy: lost
             lost = tracer.result.save()
         with model.trace(PROMPT, temperature=0.0, max_tokens=6) as tracer:
             for _ in tracer.iter[:6]:
                 hidden, residual = model.model.layers[15].output
-                edited = hidden + 4.0 * vector.to(hidden.device)
+                edited = hidden + 40.0 * vector.to(hidden.device)
                 model.model.layers[15].output = (edited, residual)  # assigned: lands
             landed = tracer.result.save()
         assert lost.outputs[0].token_ids == plain[0].outputs[0].token_ids

@@ -364,7 +364,7 @@ class WorkerRuntime:
                     "values, not modules, parameters or objects holding them."
                 )
                 part = pickle.dumps({request_id: {**empty_entry(), "error": capture_exception(unsent)}})
-            if (not self.eager and not self.eager_steps) or len(part) > self.limits.max_save_bytes:
+            if not self.eager or len(part) > self.limits.max_save_bytes:
                 part = self._review(pickle.loads(part))
             parts.append(part)
         for request_id in list(self.finished_at):
@@ -393,17 +393,27 @@ class WorkerRuntime:
                 )
             error = entry.get("error")
             if not self.eager and error is not None and "OutOfOrder" in repr(error):
-                entry["error"] = capture_exception(
-                    CompiledForwardError(
-                        "this engine compiles the model's forward (torch.compile or CUDA "
-                        "graphs), where module hooks do not fire, and it was started with "
-                        f"{_EAGER_STEPS_ENV}=0, so a step with a block stays compiled and a "
-                        "module location was never reached. model.logits and model.samples "
-                        f"work on any engine; for module locations unset {_EAGER_STEPS_ENV} "
-                        "or build the engine with enforce_eager=True."
-                    )
-                )
+                entry["error"] = capture_exception(CompiledForwardError(self._compiled_miss()))
         return pickle.dumps(collected)
+
+    def _compiled_miss(self) -> str:
+        """Why a module location was never reached on this compiled engine."""
+        if not self.eager_steps:
+            why = (
+                f"it was started with {_EAGER_STEPS_ENV}=0, so a step with a block stays "
+                f"compiled. For module locations unset {_EAGER_STEPS_ENV} or build the "
+                "engine with enforce_eager=True."
+            )
+        else:
+            why = (
+                "the step ran as Python but this model's compiled forward was not "
+                "bypassed. Build the engine with enforce_eager=True for module locations."
+            )
+        return (
+            "this engine compiles the model's forward (torch.compile or CUDA graphs), "
+            "where module hooks do not fire, so a module location was never reached: "
+            f"{why} model.logits and model.samples work on any engine."
+        )
 
     def tracked(self) -> int:
         """How many requests' blocks this worker still holds (a leak gauge)."""
