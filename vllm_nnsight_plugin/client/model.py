@@ -37,6 +37,7 @@ from nnsight.tracing.backend import Backend
 
 from ..versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT, check_nnsight
 from ..wire.envelope import EXTRA_ARGS_KEY, seal
+from ..wire.references import envoys_by_reference
 from ..wire.trust import VOUCHED_KEY, Vouched, operator_key
 
 #: The key to sign blocks with while requests for a server are being built (a
@@ -140,7 +141,8 @@ class VLLM(_NNsightVLLM):
         return outputs
 
     def _attach_mediators(self, params: list, **kwargs: Any) -> list:
-        attached = super()._attach_mediators(params, **kwargs)
+        with envoys_by_reference(self):
+            attached = super()._attach_mediators(params, **kwargs)
         _seal_params(params, len(attached), _SERVER_KEY.get())
         return attached
 

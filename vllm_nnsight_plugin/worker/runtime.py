@@ -34,6 +34,7 @@ from typing import Any
 from .. import seams
 from ..versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT
 from ..wire.envelope import EXTRA_ARGS_KEY, EnvelopeError, Limits, open_envelope
+from ..wire.references import envoy_references
 from ..wire.trust import LOCAL_SIGNATURE_KEY, UntrustedBlockError, check_local
 
 logger = logging.getLogger("vllm_nnsight_plugin")
@@ -116,7 +117,7 @@ class WorkerRuntime:
         model.interleaver.defer_exceptions = True
         self.nnsight_model = model
         self.nnsight_requests = Requests()
-        self.persistent = model._remoteable_persistent_objects()
+        self.persistent = {**model._remoteable_persistent_objects(), **envoy_references(model)}
         module.register_forward_pre_hook(self._on_forward)
         runner.sampler.register_forward_pre_hook(self._on_logits, with_kwargs=True)
         runner.sampler.register_forward_hook(self._on_samples)

@@ -1,0 +1,44 @@
+"""The module tree travels as references, not copies.
+
+nnsight pickles a block with every envoy it can reach, and each envoy with its
+children: a block that names one layer carries the whole tree, some 4,000
+objects for a 30-layer model, once per request. Both ends already hold the same
+tree (the client's on the meta device, the worker's over the live model), so
+each envoy is sent as a persistent id naming its path, and the worker resolves
+it to its own envoy at that path. nnsight's pickler references any object with a
+``_persistent_id`` in its ``__dict__``; the worker's unpickler looks ids up in
+the map it is given and refuses any other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+_PREFIX = "Envoy:"
+_TAG = "_persistent_id"
+
+
+def envoy_id(path: str) -> str:
+    return _PREFIX + path
+
+
+@contextlib.contextmanager
+def envoys_by_reference(model: Any) -> Iterator[None]:
+    """While blocks are serialized, make every envoy of ``model`` a reference."""
+    tagged = []
+    for envoy in model.modules():
+        if _TAG not in envoy.__dict__:
+            envoy.__dict__[_TAG] = envoy_id(envoy.path)
+            tagged.append(envoy)
+    try:
+        yield
+    finally:
+        for envoy in tagged:
+            envoy.__dict__.pop(_TAG, None)
+
+
+def envoy_references(model: Any) -> dict[str, Any]:
+    """The worker's side: each id resolves to the worker's own envoy."""
+    return {envoy_id(envoy.path): envoy for envoy in model.modules()}
