@@ -1,6 +1,6 @@
 """The GPU benchmark: the plugin against plain vLLM on the same engine settings.
 
-    python benchmarks/gpu_bench.py run OUT_DIR MODEL_DIR [--engines A,B,...]
+    python benchmarks/gpu_bench.py run OUT_DIR MODEL_DIR [--engines=A,B,...] [--repeats=N]
 
 Every engine runs in its own process (the plugin is off in a process with
 ``VLLM_PLUGINS=""``, and a plugin patches classes process-wide). Each prints
@@ -15,6 +15,10 @@ Engines (MODEL_DIR holds a config and tokenizer; weights are ``load_format="dumm
 - ``on-eager``    plugin, eager engine: the same jobs, to split forward from block cost
 - ``nnsight``     nnsight 0.8.1's own vLLM integration (eager; plugin off)
 - ``hf``          nnsight on HF transformers (``LanguageModel``), the usual baseline
+- ``profile``     the plugin, eager, engine and worker in one process under cProfile
+
+``GPU_BENCH_REAL=1`` loads real weights (e.g. SmolLM2) instead of dummy ones;
+``GPU_BENCH_SMALL=1`` shrinks everything for a dry run of the script on a CPU.
 
 Jobs: ``plain`` 64 prompts x 128 tokens (repeated), ``plain1000`` 1,000 x 128,
 ``forward`` one 32-token prompt, one token (latency), ``steer`` add a vector to

@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# GPU side, from the repository root. Three modes:
+# GPU side, from the repository root (scripts/gpu/README.md). Two modes:
 #   stash   keep the carried kit chunk / GGUF pieces in /tmp (one warm machine)
 #   setup   install the vLLM kit, the wheels, the plugin's entry point, and
-#           convert SmolLM2; writes /tmp/site/plugin_env.sh
-#   env     print nothing; source /tmp/site/plugin_env.sh yourself after setup
+#           convert SmolLM2; then `. /tmp/site/plugin_env.sh` before python3
 set -euo pipefail
 K=$PWD/.vllmkit
 STASH=/tmp/gpukit
