@@ -136,23 +136,20 @@ class WorkerRuntime:
         if self.nnsight_requests is not None and self.nnsight_requests.requests:
             self._expire(getattr(scheduler_output, "finished_req_ids", ()))
         new = getattr(scheduler_output, "scheduled_new_reqs", ())
-        if self.nnsight_model is None and any(
-            seams.carries_block(getattr(data, "sampling_params", None)) for data in new
-        ):
+        new_block = any(seams.carries_block(getattr(data, "sampling_params", None)) for data in new)
+        if self.nnsight_model is None and new_block:
             self._build()
         self.in_step = self.nnsight_model is not None
         self.uncompiled = (
-            self.in_step and not self.eager and self.eager_steps and self._runs_a_block(scheduler_output)
+            self.in_step
+            and not self.eager
+            and self.eager_steps
+            and (new_block or self._block_still_running(scheduler_output))
         )
         seams.mark_uncompiled_step(self.runner, self.uncompiled)
 
-    def _runs_a_block(self, scheduler_output: Any) -> bool:
-        """Whether a block may run in this step (a new one, or one still running)."""
-        if any(
-            seams.carries_block(getattr(data, "sampling_params", None))
-            for data in getattr(scheduler_output, "scheduled_new_reqs", ())
-        ):
-            return True
+    def _block_still_running(self, scheduler_output: Any) -> bool:
+        """Whether a block that already started may run in this step."""
         requests = self.nnsight_requests.requests
         for request_id in getattr(scheduler_output, "num_scheduled_tokens", None) or ():
             request = requests.get(request_id)
