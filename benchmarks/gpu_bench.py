@@ -21,10 +21,13 @@ Engines (MODEL_DIR holds a config and tokenizer; weights are ``load_format="dumm
 ``GPU_BENCH_SMALL=1`` shrinks everything for a dry run of the script on a CPU.
 
 Jobs: ``plain`` 64 prompts x 128 tokens (repeated), ``plain1000`` 1,000 x 128,
-``forward`` one 32-token prompt, one token (latency), ``steer`` add a vector to
-one layer's output at every step (64 x 128), ``capture`` keep one layer's output
-for every token (1,000 x 128; 64 x 128 for the anchors), ``lens`` the logit lens
-over every layer for one prompt (latency).
+``forward`` one 32-token prompt, one token (latency), ``plain_sweep`` 1,024 prompts
+x 1 token, ``sweep`` the same in one trace, each invoke keeping one layer's last
+row (how activations are extracted for probes and SAEs), ``trace1`` one prompt,
+one token, saving the logits (latency), ``steer`` add a vector to one layer's
+output at every step (64 x 128), ``capture`` keep one layer's output for every
+token (1,000 x 128; 64 x 128 for the anchors), ``lens`` the logit lens over every
+layer for one prompt, one batched unembed (latency).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-PROMPT_LEN, TOKENS, CONCURRENT, MANY = 32, 128, 64, 1000
+PROMPT_LEN, TOKENS, CONCURRENT, MANY, SWEEP = 32, 128, 64, 1000, 1024
 LAYER = 18
 ENGINE = dict(
     load_format="dummy",
@@ -49,7 +52,7 @@ ENGINE = dict(
 if os.environ.get("GPU_BENCH_REAL"):  # a checkpoint with weights (SmolLM2)
     ENGINE.update(load_format="auto")
 if os.environ.get("GPU_BENCH_SMALL"):  # a dry run of the script itself, on a CPU
-    PROMPT_LEN, TOKENS, CONCURRENT, MANY, LAYER = 8, 4, 4, 8, 1
+    PROMPT_LEN, TOKENS, CONCURRENT, MANY, SWEEP, LAYER = 8, 4, 4, 8, 16, 1
     ENGINE.update(
         dtype="float32",
         max_model_len=256,
@@ -103,18 +106,37 @@ def capture(model, batch, tokens) -> int:
     return sum(sum(r.shape[0] for r in kept) for kept in per_request)
 
 
-def lens(model, ids) -> list:
+def lens(model, ids):
+    """The logit lens: every layer's residual stream at the last position, one
+    norm and one batched unembed ([layers, hidden] x [hidden, vocab])."""
     import torch
 
     with model.trace(ids, temperature=0.0, max_tokens=1, detokenize=False):
-        weight, gain = model.lm_head.weight, model.model.norm.weight
-        tops = list().save()
+        streams = []
         for layer in model.model.layers:
             hidden, residual = layer.output
-            stream = (hidden[-1:] + residual[-1:]).float()
-            normed = stream * torch.rsqrt(stream.pow(2).mean(-1, keepdim=True) + 1e-6) * gain.float()
-            tops.append((normed.to(weight.dtype) @ weight.T).argmax(-1))
+            streams.append(hidden[-1:] + residual[-1:])
+        stream = torch.cat(streams).float()
+        gain, weight = model.model.norm.weight, model.lm_head.weight
+        normed = stream * torch.rsqrt(stream.pow(2).mean(-1, keepdim=True) + 1e-6) * gain.float()
+        tops = (normed.to(weight.dtype) @ weight.T).argmax(-1).save()
     return tops
+
+
+def sweep(model, batch) -> list:
+    """One trace, one invoke per prompt, each keeping one layer's last row."""
+    layer = model.model.layers[LAYER]
+    with model.trace(temperature=0.0, max_tokens=1, detokenize=False) as tracer:
+        for ids in batch:
+            with tracer.invoke(ids):
+                last = layer.output[0][-1].clone().save()
+    return last
+
+
+def trace1(model, ids):
+    with model.trace(ids, temperature=0.0, max_tokens=1, detokenize=False):
+        logits = model.logits.save()
+    return logits
 
 
 # ---------------------------------------------------------------- engines
@@ -151,6 +173,9 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
     one = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
     walls = [timed(lambda: llm.generate(few[:1], one, use_tqdm=False)) for _ in range(12)]
     result(engine=name, job="forward", ms=round(1000 * statistics.median(walls[2:]), 2))
+    swept = prompts(SWEEP)
+    walls = [timed(lambda: llm.generate(swept, one, use_tqdm=False)) for _ in range(3)]
+    result(engine=name, job="plain_sweep", ms=round(1000 * statistics.median(walls), 1))
     if plugin == "off":
         return
 
@@ -170,6 +195,12 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
     lens(model, few[0])
     walls = [timed(lambda: lens(model, few[0])) for _ in range(10)]
     result(engine=name, job="lens", ms=round(1000 * statistics.median(walls[2:]), 2))
+    walls = [timed(lambda: trace1(model, few[0])) for _ in range(12)]
+    result(engine=name, job="trace1", ms=round(1000 * statistics.median(walls[2:]), 2))
+    kept = sweep(model, swept)
+    assert len(kept) == SWEEP and tuple(kept[0].shape) == (hidden_size(path),), "the sweep lost rows"
+    walls = [timed(lambda: sweep(model, swept)) for _ in range(3)]
+    result(engine=name, job="sweep", ms=round(1000 * statistics.median(walls), 1))
     (stats,) = llm.collective_rpc("nnsight_stats")
     result(engine=name, job="stats", **stats)
 
@@ -191,32 +222,42 @@ def nnsight_engine(path: str) -> None:
     lens(model, few[0])
     walls = [timed(lambda: lens(model, few[0])) for _ in range(10)]
     result(engine="nnsight", job="lens", ms=round(1000 * statistics.median(walls[2:]), 2))
+    swept = prompts(SWEEP)
+    sweep(model, swept)
+    walls = [timed(lambda: sweep(model, swept)) for _ in range(3)]
+    result(engine="nnsight", job="sweep", ms=round(1000 * statistics.median(walls), 1))
 
 
 def profile_engine(path: str) -> None:
-    """Where a steered step's time goes: cProfile over engine and worker in one
-    process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), eager, 64 requests x 32 tokens."""
+    """Where a traced request's time goes: cProfile over engine and worker in one
+    process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), eager: the sweep, a one-token
+    trace, and 64 steered requests x 32 tokens, each split by entry point
+    (``profile_cpu.PARTS``) and by the functions with the most time of their own."""
     import cProfile
-    import pstats
 
     from vllm import LLM
 
     from vllm_nnsight_plugin import VLLM
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from profile_cpu import split, top
+
     llm = LLM(path, enforce_eager=True, **ENGINE)
     model = VLLM(llm)
-    vector, few = unit_vector(path), prompts(CONCURRENT)
+    vector, few, swept = unit_vector(path), prompts(CONCURRENT), prompts(SWEEP)
     steer(model, few[:4], 8, vector)
-    profiler = cProfile.Profile()
-    wall = timed(lambda: profiler.runcall(steer, model, few, 32, vector))
-    result(engine="profile", job="steer", tok_s=round(CONCURRENT * 32 / wall, 1), s=round(wall, 2))
-    stats = pstats.Stats(profiler)
-    rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:30]  # by own time
-    for (file, line, fn), (_, calls, own, total, _) in rows:
-        where = f"{'/'.join(file.split('/')[-3:])}:{line}:{fn}"
-        result(
-            engine="profile", job="top", fn=where, calls=calls, own_s=round(own, 3), total_s=round(total, 3)
-        )
+    jobs = {
+        "sweep": lambda: sweep(model, swept),
+        "trace1": lambda: [trace1(model, few[0]) for _ in range(10)],
+        "steer": lambda: steer(model, few, 32, vector),
+    }
+    for job, fn in jobs.items():
+        fn()
+        profiler = cProfile.Profile()
+        wall = timed(lambda: profiler.runcall(fn))  # noqa: B023
+        result(engine="profile", job=job, s=round(wall, 3), split_ms=split(profiler, wall))
+        for row in top(profiler, 30):
+            result(engine="profile", job=f"{job}-top", row=row)
 
 
 def hf_engine(path: str) -> None:
@@ -291,15 +332,20 @@ def table(*paths: Path) -> str:
     base = median.get(("off-graphs", "plain"))
     base1000 = median.get(("off-graphs", "plain1000"))
     forward = median.get(("off-graphs", "forward"))
+    swept = median.get(("off-graphs", "plain_sweep"))
     lines = [
         "| engine | job | median | runs | vs plain vLLM (graphs) |",
         "| --- | --- | ---: | ---: | ---: |",
     ]
     for (engine, job), values in sorted(by.items()):
-        unit = "ms" if job in ("forward", "lens") else "tok/s"
+        unit = "ms" if job in ("forward", "lens", "trace1", "sweep", "plain_sweep") else "tok/s"
         ref = base1000 if job in ("plain1000", "capture1000") else base
         if job == "lens":
             ratio = f"{median[(engine, job)] / forward:.2f}x a plain forward" if forward else ""
+        elif job == "trace1":
+            ratio = f"+{median[(engine, job)] - forward:.2f} ms over a plain forward" if forward else ""
+        elif job in ("sweep", "plain_sweep"):
+            ratio = f"{median[(engine, job)] / swept:.2f}x plain time" if swept else ""
         elif unit == "tok/s" and ref:
             ratio = f"{median[(engine, job)] / ref:.3f}"
         else:

@@ -6,7 +6,9 @@ other (vLLM loads plugins per process, so "without the plugin" needs its own):
 - ``plain``: ``VLLM_NNSIGHT_DISABLE=1``, stock vLLM;
 - with the plugin: ``idle`` (no block), ``capture`` (one layer's output, every
   token of every request, cloned and saved), ``steer`` (add a vector to one
-  layer on every step).
+  layer on every step), and the sweep pair: ``idle_sweep`` (``--sweep`` prompts,
+  one token each, no block) against ``sweep`` (the same prompts in one trace,
+  each invoke keeping one layer's last row), counted in prompts/s.
 
 Each job generates ``--prompts`` x ``--tokens`` greedy tokens (``ignore_eos``)
 and is repeated ``--repeats`` times; the best run counts. Ratios are tokens/s
@@ -64,8 +66,14 @@ def run_jobs(args: argparse.Namespace, jobs: list[str]) -> dict:
         outs = llm.generate(batch, SamplingParams(**sampling), use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outs)
 
+    swept = [f"{PROMPT} {i} of {args.sweep}." for i in range(args.sweep)]
+
+    def idle_sweep() -> int:
+        llm.generate(swept, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+        return len(swept)
+
     model = None
-    if any(job in ("capture", "steer") for job in jobs):
+    if any(job in ("capture", "steer", "sweep") for job in jobs):
         from vllm_nnsight_plugin import VLLM
 
         model = VLLM(llm)
@@ -93,8 +101,23 @@ def run_jobs(args: argparse.Namespace, jobs: list[str]) -> dict:
                     result = tracer.result.save()
         return sum(len(r.outputs[0].token_ids) for r in result)
 
+    def sweep() -> int:
+        with model.trace(temperature=0.0, max_tokens=1) as tracer:
+            for prompt in swept:
+                with tracer.invoke(prompt):
+                    last = model.model.layers[layer].output[0][-1].clone().save()
+        assert len(last) == len(swept), "the sweep lost rows"
+        return len(swept)
+
     for job in jobs:
-        fn = {"plain": plain, "idle": plain, "capture": capture, "steer": steer}[job]
+        fn = {
+            "plain": plain,
+            "idle": plain,
+            "capture": capture,
+            "steer": steer,
+            "idle_sweep": idle_sweep,
+            "sweep": sweep,
+        }[job]
         results[job] = timed(fn)
     return results
 
@@ -106,6 +129,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layer", type=int, default=10)
+    parser.add_argument("--sweep", type=int, default=128)
     parser.add_argument("--jobs", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -126,7 +150,7 @@ def main() -> None:
                 return json.loads(line[len("RESULT ") :])
         raise SystemExit(f"benchmark child failed:\n{out.stderr[-4000:]}")
 
-    results = {**child("plain", disable=True), **child("idle,capture,steer", disable=False)}
+    results = {**child("plain", disable=True), **child("idle,capture,steer,idle_sweep,sweep", disable=False)}
     import torch
     import vllm
 
@@ -142,6 +166,10 @@ def main() -> None:
     for job in ("plain", "idle", "capture", "steer"):
         same = "" if job == "plain" else f"{results[job] / idle:.3f}"
         print(f"| {job} | {results[job]:.1f} | {results[job] / base:.3f} | {same} |")
+    print(
+        f"| sweep, {args.sweep} prompts x 1 token (prompts/s) | {results['sweep']:.1f} | | "
+        f"{results['sweep'] / results['idle_sweep']:.3f} of {results['idle_sweep']:.1f} without a block |"
+    )
 
 
 if __name__ == "__main__":

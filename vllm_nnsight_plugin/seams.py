@@ -19,7 +19,8 @@ Front end (the process that owns ``LLM``):
   a block must also be computed whole and must not leave edited KV under the
   plain prompt's block hashes, so it skips prefix-cache reads and gets a cache
   salt of its own.
-- ``LLMEngine.add_request`` / ``LLMEngine.step`` (offline ``LLM``) and
+- ``LLMEngine.add_request`` / ``LLMEngine.step`` / ``LLMEngine.abort_request``
+  (offline ``LLM``) and
   ``AsyncLLM.generate``: when a request with a block finishes, its saves are
   fetched from the workers with one ``collective_rpc`` and put on the
   ``RequestOutput``. The front end is the one place where the finished output
@@ -40,10 +41,16 @@ Worker (each process that runs the model):
 - ``GPUModelRunner.execute_model`` (the CPU runner inherits it): marks the span in
   which forward hooks belong to a real step (not a profile or warm-up run) and
   hands the step's ``SchedulerOutput`` to the runtime.
+- ``GPUModelRunner._determine_batch_execution_and_padding``: a step in which a
+  block may run is dispatched without a CUDA graph (``force_eager``).
+- Reads, each a small function below: the scheduler output's new, scheduled and
+  finished requests; the runner's model, sampler, tokenizer, persistent batch
+  (``StepLayout``) and per-request state; the sampler output's token ids.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import os
@@ -150,10 +157,11 @@ def patch_input_processor() -> None:
             extra = getattr(params, "extra_args", None)
             if not touches_trust(extra):
                 return original(self, request_id, prompt, params, *args, **kwargs)
-            # The caller's params (and the extra_args dict the OpenAI server shares
-            # between a request's prompts) stay as they were; the engine gets a copy
-            # (clone() is shallow when skip_clone is set, hence the dict of its own).
-            params = params.clone()
+            # The caller's extra_args (a dict the OpenAI server shares between a
+            # request's prompts) stay as they were: the engine gets a dict of its
+            # own on a shallow copy, which vLLM's own process_inputs then clones as
+            # it does every request's params (deep unless skip_clone is set).
+            params = copy.copy(params)
             params.extra_args = dict(extra)
             _sign_vouched(self, params.extra_args)
             if EXTRA_ARGS_KEY not in params.extra_args:
@@ -510,6 +518,64 @@ class StepLayout:
 
     def spans(self) -> list[tuple[str, int]]:
         return list(zip(self.req_ids, self.counts))
+
+
+def new_requests(scheduler_output: Any) -> Any:
+    """This step's newly scheduled requests (``NewRequestData``: ``req_id``, ``sampling_params``)."""
+    return getattr(scheduler_output, "scheduled_new_reqs", None) or ()
+
+
+def new_params(scheduler_output: Any) -> list:
+    """The ``SamplingParams`` of this step's newly scheduled requests."""
+    return [getattr(data, "sampling_params", None) for data in new_requests(scheduler_output)]
+
+
+def scheduled_ids(scheduler_output: Any) -> Any:
+    """Ids of every request scheduled in this step."""
+    return getattr(scheduler_output, "num_scheduled_tokens", None) or ()
+
+
+def finished_ids(scheduler_output: Any) -> Any:
+    """Ids of the requests the scheduler finished since the last step."""
+    return getattr(scheduler_output, "finished_req_ids", None) or ()
+
+
+def model_of(runner: Any) -> Any:
+    """The runner's live model module (what the nnsight tree wraps)."""
+    return runner.get_model()
+
+
+def sampler_of(runner: Any) -> Any:
+    """The runner's sampler, an ``nn.Module`` called as ``sampler(logits=..., ...)`` (V1)."""
+    return runner.sampler
+
+
+def tokenizer_of(runner: Any) -> Any:
+    from vllm.tokenizers import cached_tokenizer_from_config
+
+    return cached_tokenizer_from_config(runner.model_config)
+
+
+def sampled_ids(sampler_output: Any) -> Any:
+    """The ``[requests, 1]`` token ids the sampler drew (``SamplerOutput``)."""
+    return sampler_output.sampled_token_ids
+
+
+def set_sampled_ids(sampler_output: Any, ids: Any) -> None:
+    sampler_output.sampled_token_ids = ids
+
+
+def eos_token_id(tokenizer: Any) -> int | None:
+    return getattr(tokenizer, "eos_token_id", None)
+
+
+def reports_saves() -> bool:
+    """Whether this worker's saves are the ones sent home: under tensor or pipeline
+    parallelism every rank runs each block on the same gathered values, and the
+    first rank answers for all."""
+    from vllm.distributed.parallel_state import get_pp_group
+
+    return get_pp_group().rank == 0
 
 
 def request_state(runner: Any, request_id: str) -> Any:

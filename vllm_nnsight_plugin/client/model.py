@@ -39,6 +39,7 @@ from ..versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT, check_nnsight
 from ..wire.envelope import EXTRA_ARGS_KEY, seal
 from ..wire.references import envoys_by_reference
 from ..wire.trust import VOUCHED_KEY, Vouched, operator_key
+from ._nnsight import reduce_once
 
 #: The key to sign blocks with while requests for a server are being built (a
 #: context variable: traces may be built on several threads or tasks at once).
@@ -141,6 +142,7 @@ class VLLM(_NNsightVLLM):
         return outputs
 
     def _attach_mediators(self, params: list, **kwargs: Any) -> list:
+        reduce_once()  # one reduction per with-block, not per invoke (``_nnsight.py``)
         with envoys_by_reference(self):
             attached = super()._attach_mediators(params, **kwargs)
         _seal_params(params, len(attached), _SERVER_KEY.get())
@@ -250,6 +252,7 @@ class VLLM(_NNsightVLLM):
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         state["_given_llm"] = None
+        state.pop("_vllm_nnsight_references", None)  # a cache (``wire/references.py``)
         return state
 
 

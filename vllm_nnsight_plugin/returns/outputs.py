@@ -41,17 +41,22 @@ def merge_replies(replies: list) -> dict:
     """
     import pickle
 
+    from .stacked import Unstacker
+
     merged: dict[str, dict] = {}
     parts = [part for reply in replies or () if reply is not None for part in reply]
     for part in parts:
+        unstack = Unstacker()  # lists that travelled stacked (``returns/stacked.py``)
         for request_id, entry in pickle.loads(part).items():
             into = merged.setdefault(request_id, empty_entry())
             for name, value in (entry.get("saves") or {}).items():
-                into["saves"].setdefault(name, value)
+                if name not in into["saves"]:
+                    into["saves"][name] = unstack(value)
             for index, sequence in (entry.get("sequences") or {}).items():
                 kept = into["sequences"].setdefault(index, {})
                 for name, value in (sequence.get("saves") or {}).items():
-                    kept.setdefault(name, value)
+                    if name not in kept:
+                        kept[name] = unstack(value)
             if into["error"] is None:
                 into["error"] = entry.get("error")
     return merged
@@ -85,24 +90,79 @@ def saves(output: Any) -> dict:
         raise BlockError(
             f"request {getattr(output, 'request_id', '?')} carried no block (or is not "
             "finished), so it has no saves. Build its SamplingParams with "
-            "vllm_nnsight_plugin.sampling_params(...)."
+            "model.requests(...) and pass tracer.prepared.params to generate."
         )
     raise_deferred(getattr(output, "nnsight_error", None))
     return output.saves
 
 
-async def collect_async(engine: Any, output: Any) -> None:
-    """``AsyncLLM``'s form of the offline collect: one finished output, one RPC."""
-    import pickle
+class _Collector:
+    """``AsyncLLM``'s collect, batched: the outputs that finish together (delivered
+    in one turn of the event loop, as vLLM does for one engine step) are
+    collected with one RPC, not one each."""
 
-    request_id = output.request_id
-    replies = await engine.collective_rpc(
-        "nnsight_collect", args=([request_id], pickle.dumps({request_id: output}))
-    )
-    attach_collected([output], replies)
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.waiting: list[tuple[Any, Any]] = []
+
+    async def collect(self, output: Any) -> None:
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self.waiting.append((output, done))
+        if len(self.waiting) == 1:  # the first of this turn: flush once the turn's others are in
+            loop.call_soon(lambda: _keep(loop.create_task(self._flush())))
+        await done
+
+    async def _flush(self) -> None:
+        import pickle
+
+        batch, self.waiting = self.waiting, []
+        outputs = [output for output, _ in batch]
+        try:
+            replies = await self.engine.collective_rpc(
+                "nnsight_collect",
+                args=([o.request_id for o in outputs], pickle.dumps({o.request_id: o for o in outputs})),
+            )
+            attach_collected(outputs, replies)
+        except BaseException as error:
+            for _, done in batch:
+                if not done.done():
+                    done.set_exception(error)
+            if not isinstance(error, Exception):
+                raise
+            return
+        for _, done in batch:
+            if not done.done():
+                done.set_result(None)
+
+
+def _collector(engine: Any) -> _Collector:
+    """The engine's collector for the running event loop."""
+    import asyncio
+    import weakref
+
+    by_loop = engine.__dict__.setdefault("_nnsight_collectors", weakref.WeakKeyDictionary())
+    loop = asyncio.get_running_loop()
+    collector = by_loop.get(loop)
+    if collector is None:
+        collector = by_loop[loop] = _Collector(engine)
+    return collector
+
+
+async def collect_async(engine: Any, output: Any) -> None:
+    """``AsyncLLM``'s form of the offline collect: the finished output's saves onto it."""
+    await _collector(engine).collect(output)
 
 
 _WIND_UPS: set = set()
+
+
+def _keep(task: Any) -> None:
+    """Hold a fire-and-forget task until it is done (the loop keeps only weak refs)."""
+    _WIND_UPS.add(task)
+    task.add_done_callback(_WIND_UPS.discard)
 
 
 def wind_up_later(engine: Any, request_id: str) -> None:
@@ -119,8 +179,7 @@ def wind_up_later(engine: Any, request_id: str) -> None:
         )
     except RuntimeError:  # no loop left: the worker's own expiry frees it
         return
-    _WIND_UPS.add(task)
-    task.add_done_callback(_WIND_UPS.discard)
+    _keep(task)
 
 
 async def traced_stream(

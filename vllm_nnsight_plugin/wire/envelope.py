@@ -159,7 +159,7 @@ def open_envelope(
         raise EnvelopeError(
             f"extra_args[{EXTRA_ARGS_KEY!r}] must be the string made by "
             f"vllm_nnsight_plugin (got {type(value).__name__}). Build requests with "
-            "VLLM.trace or vllm_nnsight_plugin.sampling_params."
+            "VLLM.trace or model.requests(...)."
         )
     # base64 inflates by 4/3; bound the string before decoding anything.
     if len(value) > limits.max_payload_bytes * 4 // 3 + 1024:

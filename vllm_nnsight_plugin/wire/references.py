@@ -24,13 +24,26 @@ def envoy_id(path: str) -> str:
     return _PREFIX + path
 
 
+_TREE = "_vllm_nnsight_references"
+
+
+def _references(model: Any) -> list[tuple[Any, str]]:
+    """Every envoy of ``model`` with its id, walked once per model and kept on it
+    (walking the tree costs more than a small trace). An envoy added to the tree
+    later is not listed: it travels as a copy, as nnsight would send it."""
+    found = model.__dict__.get(_TREE)
+    if found is None:
+        found = model.__dict__[_TREE] = [(envoy, envoy_id(envoy.path)) for envoy in model.modules()]
+    return found
+
+
 @contextlib.contextmanager
 def envoys_by_reference(model: Any) -> Iterator[None]:
     """While blocks are serialized, make every envoy of ``model`` a reference."""
     tagged = []
-    for envoy in model.modules():
+    for envoy, reference in _references(model):
         if _TAG not in envoy.__dict__:
-            envoy.__dict__[_TAG] = envoy_id(envoy.path)
+            envoy.__dict__[_TAG] = reference
             tagged.append(envoy)
     try:
         yield

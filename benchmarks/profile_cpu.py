@@ -1,0 +1,209 @@
+"""Where a traced request's time goes, on this CPU: the plugin's own cost, apart from the model's.
+
+    python benchmarks/profile_cpu.py [--layers 36] [--sweep 1024] [--jobs sweep,forward,steer,capture]
+
+The model is a random Qwen3 with ``--layers`` layers and hidden size 128, built in
+code: as many modules per forward as Qwen3-8B (36 layers) but almost no arithmetic,
+so what is left is the Python every traced request and step pays. Engine and
+worker run in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so one cProfile
+sees both. Per job it prints the plain and traced wall times (same engine, same
+prompts, median) and one profiled traced run, split by entry point (``PARTS``,
+cumulative milliseconds: the parts nest, so they do not add up), then the
+functions with the most time of their own.
+
+Jobs: ``sweep`` ``--sweep`` prompts x 1 token in one trace, each invoke keeping
+layer L's last row; ``forward`` one prompt, one token, saving the logits
+(latency, median of 20); ``steer`` 64 x 16 adding a vector at layer L every
+step; ``capture`` 64 x 16 keeping layer L's output every step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import functools
+import json
+import os
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+#: Where a traced request's time goes: the cumulative time of each entry point
+#: (``file fragment``, ``function``). They nest: ``generate`` holds ``admit``,
+#: ``forward`` and ``collect (worker)``; the trace's total holds all of them.
+PARTS = (
+    ("seal (client)", "client/model.py", "_attach_mediators"),
+    ("generate", "entrypoints/llm.py", "generate"),
+    ("admit (worker)", "worker/admit.py", "admit"),
+    ("step start (worker)", "worker/runtime.py", "_start"),
+    ("model forward", "gpu_model_runner.py", "_model_forward"),
+    ("interleaver handle", "modeling/vllm/interleaver.py", "handle"),
+    ("collect (worker)", "worker/runtime.py", "collect"),
+    ("attach (front end)", "returns/outputs.py", "attach_collected"),
+    ("saves home (client)", "modeling/vllm/vllm.py", "_collect"),
+)
+
+
+def build_model(folder: Path, layers: int) -> str:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.tiny_models import train_tokenizer
+
+    if (folder / "config.json").exists():
+        return str(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(folder)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+    )
+    config.architectures = ["Qwen3ForCausalLM"]
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    return str(folder)
+
+
+def split(profile: cProfile.Profile, total: float) -> dict[str, float]:
+    """Milliseconds in each of ``PARTS`` (cumulative), and the whole traced call."""
+    stats = pstats.Stats(profile)
+    found = {"total": round(1000 * total, 1)}
+    for name, fragment, function in PARTS:
+        cumulative = sum(
+            row[3] for (file, _, fn), row in stats.stats.items() if fragment in file and fn == function
+        )
+        found[name] = round(1000 * cumulative, 1)
+    return found
+
+
+def top(profile: cProfile.Profile, n: int = 25) -> list[str]:
+    stats = pstats.Stats(profile)
+    rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:n]
+    return [
+        f"{own:7.3f} {total:7.3f} {calls:7d} {'/'.join(file.split('/')[-3:])}:{line}:{fn}"
+        for (file, line, fn), (_, calls, own, total, _) in rows
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=36)
+    parser.add_argument("--layer", type=int, default=18)
+    parser.add_argument("--sweep", type=int, default=1024)
+    parser.add_argument("--jobs", default="sweep,forward,steer,capture")
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--dump", help="folder to write each job's pstats file to")
+    args = parser.parse_args()
+
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_nnsight_plugin import VLLM
+
+    folder = Path(tempfile.gettempdir()) / f"vllm-nnsight-profile-qwen3-{args.layers}"
+    llm = LLM(
+        build_model(folder, args.layers),
+        dtype="float32",
+        max_model_len=512,
+        enforce_eager=True,
+        gpu_memory_utilization=0.3,
+        kv_cache_memory_bytes=1 << 30,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+    )
+    model = VLLM(llm)
+    layer = model.model.layers[args.layer]
+    torch.manual_seed(0)
+    vector = torch.randn(128)
+
+    def ids(n: int, length: int = 8) -> list[list[int]]:
+        return [[(7 * i + 13 * j) % 400 + 2 for j in range(length)] for i in range(n)]
+
+    def plain(batch: list, tokens: int) -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False)
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
+
+    def sweep(batch: list) -> None:
+        with model.trace(temperature=0.0, max_tokens=1, detokenize=False) as tracer:
+            for prompt in batch:
+                with tracer.invoke(prompt):
+                    layer.output[0][-1].clone().save()
+
+    def forward(batch: list) -> None:
+        with model.trace(batch[0], temperature=0.0, max_tokens=1, detokenize=False):
+            model.logits.save()
+
+    def steer(batch: list, tokens: int = 16) -> None:
+        with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+            for prompt in batch:
+                with tracer.invoke(prompt):
+                    for _ in tracer.iter[:tokens]:
+                        layer.output[0][:] += vector
+
+    def capture(batch: list, tokens: int = 16) -> None:
+        with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+            for prompt in batch:
+                with tracer.invoke(prompt):
+                    rows = list().save()
+                    for _ in tracer.iter[:tokens]:
+                        rows.append(layer.output[0].clone())
+
+    jobs = {
+        "sweep": (lambda: sweep(ids(args.sweep)), lambda: plain(ids(args.sweep), 1)),
+        "forward": (lambda: forward(ids(1)), lambda: plain(ids(1), 1)),
+        "steer": (lambda: steer(ids(64)), lambda: plain(ids(64), 16)),
+        "capture": (lambda: capture(ids(64)), lambda: plain(ids(64), 16)),
+    }
+    for name in args.jobs.split(","):
+        traced, untraced = jobs[name]
+        untraced(), traced()  # warm-up (the worker builds its tree on the first block)
+        repeats = 20 if name == "forward" else 3
+        plain_s = statistics.median(_wall(untraced) for _ in range(repeats))
+        traced_s = statistics.median(_wall(traced) for _ in range(repeats))
+        profile = cProfile.Profile()
+        profiled_s = _wall(functools.partial(profile.runcall, traced))
+        if args.dump:
+            Path(args.dump).mkdir(parents=True, exist_ok=True)
+            profile.dump_stats(Path(args.dump) / f"{name}.pstats")
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "job": name,
+                    "plain_ms": round(1000 * plain_s, 2),
+                    "traced_ms": round(1000 * traced_s, 2),
+                    "ratio": round(traced_s / plain_s, 3),
+                    "profiled_ms": split(profile, profiled_s),
+                }
+            ),
+            flush=True,
+        )
+        for row in top(profile, args.top):
+            print(f"  {name} {row}")
+
+
+def _wall(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""The private nnsight names the worker uses, checked against the installed nnsight.
+
+``worker/_nnsight.py`` is the one place the worker touches nnsight's internals;
+when an nnsight release moves one, these fail by name (no engine needed)."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from nnsight.intervention.serialization import dumps, loads
+
+from vllm_nnsight_plugin import VLLM
+from vllm_nnsight_plugin.client import _nnsight as client_nns
+from vllm_nnsight_plugin.versions import SUPPORTED_NNSIGHT
+from vllm_nnsight_plugin.wire.references import envoy_references, envoys_by_reference
+from vllm_nnsight_plugin.worker import _nnsight as nns
+
+
+def test_installed_nnsight_is_the_supported_one():
+    import nnsight
+
+    assert nnsight.__version__ == SUPPORTED_NNSIGHT
+
+
+TOUCHES = nns.TOUCHES + client_nns.TOUCHES
+
+
+@pytest.mark.parametrize("module, path", TOUCHES, ids=[f"{m}:{p}" for m, p in TOUCHES])
+def test_every_nnsight_name_resolves(module, path):
+    found = importlib.import_module(module)
+    for part in path.split("."):
+        assert hasattr(found, part), f"{module}.{path} is gone"
+        found = getattr(found, part)
+
+
+def test_instance_state_the_worker_reads_exists():
+    mediator = nns.Mediator(compile("x = 1", "<t>", "exec"), {}, {})
+    request = nns.Request("abc-0123abcd")
+    requests = nns.new_requests()
+    for obj, name in ((mediator, "Mediator"), (request, "Request"), (requests, "Requests")):
+        for attribute in nns.INSTANCE_TOUCHES[name]:
+            assert hasattr(obj, attribute), f"{name}.{attribute} is gone"
+    assert (request.engine_id, request.stem) == ("abc", "abc")
+
+
+@pytest.fixture(scope="module")
+def trees(smollm2_path):
+    return VLLM(smollm2_path), VLLM(smollm2_path)  # module trees on meta, no engine
+
+
+def test_shared_code_blocks_load_like_nnsights_own(trees):
+    """Many invokes of one block: the code is compiled once, each keeps its own values."""
+    client, worker = trees
+    with client.requests(temperature=0.0, max_tokens=2) as tracer:
+        for scale in (1.0, 2.0, 3.0):
+            with tracer.invoke("The capital of France is"):
+                hidden = client.model.layers[3].output[0]
+                hidden[:] *= scale
+    blocks = [params.extra_args["nnsight"] for params in tracer.prepared.params]
+    from vllm_nnsight_plugin.wire.envelope import open_envelope
+
+    persistent = {**nns.persistent_objects(worker), **envoy_references(worker)}
+    payloads = [
+        open_envelope(b, nnsight_version=SUPPORTED_NNSIGHT, plugin_version="x").block_bytes() for b in blocks
+    ]
+    ours = [nns.load_block(p, persistent) for p in payloads]
+    theirs = [loads(p, persistent_objects=persistent) for p in payloads]
+    assert len({id(m.code) for m in ours}) == 1  # one compiled code object for all three
+    for mine, nnsights in zip(ours, theirs):
+        assert isinstance(mine, nns.Mediator)
+        assert mine.code.co_code == nnsights.code.co_code
+        assert set(mine.lcls.keys()) == set(nnsights.lcls.keys())
+        assert mine.presaved == nnsights.presaved and mine.copy == nnsights.copy
+    assert [m.lcls["scale"] for m in ours] == [1.0, 2.0, 3.0]  # each invoke its own values
+    assert ours[0].lcls["client"] is worker  # the tree resolves to the worker's own
+
+
+def test_a_payload_that_is_not_a_block_is_refused(trees):
+    _, worker = trees
+    with envoys_by_reference(worker):
+        data = dumps({"not": torch.zeros(1)})
+    with pytest.raises(TypeError, match="not an nnsight block"):
+        nns.load_block(data, envoy_references(worker))
+
+
+def test_the_clients_memoized_reduction_gives_nnsights_result():
+    import ast
+
+    import nnsight.intervention.serialization as serialization
+
+    client_nns.reduce_once()
+    client_nns.reduce_once()  # idempotent
+    assert serialization.reduce_block is client_nns._reduce_block
+    source = (
+        "\n\nwith tracer.invoke(x):\n    h = layer.output[0]\n    h[:] += scale * v\n"
+        "    rows.append(h.clone())\n    f = lambda t: t * k\n"
+    )
+    node = ast.parse(source).body[0]
+    glbls = {"torch": torch, "k": 2, "unused": object()}
+    for lcls in (
+        {"layer": 1, "scale": 2.0, "v": 3, "rows": []},
+        {"layer": 4, "scale": 5.0, "v": 6, "rows": [1]},
+    ):
+        ours = serialization.reduce_block(node, glbls, lcls)
+        again = serialization.reduce_block(node, glbls, lcls)  # from the memo
+        theirs = client_nns.ORIGINALS["reduce_block"](node, glbls, lcls)
+        assert ours == again == theirs
+        assert ours[2] == {k: lcls[k] for k in ("layer", "scale", "v", "rows")}
+    names = serialization._function_referenced_names("def g(a):\n    return a + b\n")
+    assert names == client_nns.ORIGINALS["_function_referenced_names"]("def g(a):\n    return a + b\n")

@@ -1,0 +1,96 @@
+"""Saves that travel stacked come back as the list the block built (no engine)."""
+
+from __future__ import annotations
+
+import pickle
+
+import torch
+from nnsight.modeling.vllm.collect import dumps_compact
+
+from vllm_nnsight_plugin.returns.outputs import merge_replies
+from vllm_nnsight_plugin.returns.stacked import Stacked, stack_entry, stackable
+
+
+def travel(entry: dict) -> dict:
+    """An entry through the worker's packing and the front end's merge."""
+    part = dumps_compact({"r": stack_entry(entry)})
+    return merge_replies([[part]])["r"]
+
+
+def general(entry: dict) -> dict:
+    """The same entry through the general path (no stacking)."""
+    return merge_replies([[dumps_compact({"r": entry})]])["r"]
+
+
+def test_a_list_of_rows_comes_back_as_the_same_list_of_views():
+    slab = torch.randn(40, 8)
+    rows = [slab[:5].clone()] + [slab[5 + i : 6 + i].clone() for i in range(7)]  # prompt, then a row a step
+    entry = {"saves": {"rows": rows, "n": 3}, "error": None, "sequences": {}}
+    back = travel(entry)["saves"]
+    assert isinstance(back["rows"], list) and len(back["rows"]) == len(rows)
+    for got, want in zip(back["rows"], rows):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    bases = {row.untyped_storage().data_ptr() for row in back["rows"]}
+    assert len(bases) == 1  # views of one tensor: one storage travelled
+    assert back["n"] == 3
+    # Views do not overlap: writing one leaves the others as they were.
+    back["rows"][1].zero_()
+    torch.testing.assert_close(back["rows"][2], rows[2], rtol=0, atol=0)
+
+
+def test_stacked_and_general_paths_agree():
+    steps = [torch.randn(1, 16, dtype=torch.bfloat16) for _ in range(6)]
+    tops = [torch.tensor(i) for i in range(4)]  # 0-dimensional: stacked on a new dim
+    entry = {"saves": {"steps": steps, "tops": tops}, "error": None, "sequences": {}}
+    stacked, plain = travel(entry)["saves"], general(entry)["saves"]
+    for name in ("steps", "tops"):
+        assert [t.shape for t in stacked[name]] == [t.shape for t in plain[name]]
+        for a, b in zip(stacked[name], plain[name]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+            assert a.dtype == b.dtype
+
+
+def test_lists_that_do_not_stack_travel_as_they_are():
+    base = torch.randn(4, 8)
+    cases = {
+        "ragged": [torch.randn(2, 8), torch.randn(2, 4)],
+        "mixed": [torch.randn(2), "not a tensor", 3],
+        "dtypes": [torch.randn(2), torch.randn(2).double()],
+        "shared": [base, base],  # one tensor twice: a pickle keeps that, a stack could not
+        "strided": [torch.randn(3, 4).t(), torch.randn(3, 4).t()],
+        "one": [torch.randn(3)],
+        "tuple": (torch.randn(2), torch.randn(2)),
+    }
+    for name, value in cases.items():
+        assert not stackable(value), name
+    packed = stack_entry({"saves": dict(cases), "sequences": {}, "error": None})
+    assert not any(isinstance(v, Stacked) for v in packed["saves"].values())
+    back = travel({"saves": dict(cases), "error": None, "sequences": {}})["saves"]
+    assert back["mixed"][1:] == ["not a tensor", 3]
+    assert back["shared"][0] is back["shared"][1]
+    assert not back["strided"][0].is_contiguous()
+    assert isinstance(back["tuple"], tuple)
+
+
+def test_per_sequence_saves_stack_and_the_flat_view_stays_the_same_object():
+    first = {"rows": [torch.randn(1, 4) for _ in range(3)]}
+    second = {"rows": [torch.randn(1, 4) for _ in range(3)]}
+    entry = {
+        "saves": first,
+        "error": None,
+        "sequences": {0: {"saves": first, "registered": {}}, 1: {"saves": second, "registered": {}}},
+    }
+    packed = stack_entry(entry)
+    assert packed["saves"] is packed["sequences"][0]["saves"]
+    back = travel(entry)
+    assert back["saves"]["rows"] is back["sequences"][0]["rows"]
+    for got, want in zip(back["sequences"][1]["rows"], second["rows"]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_stacked_list_is_one_record_in_the_pickle():
+    rows = [torch.randn(1, 64) for _ in range(128)]
+    stacked = pickle.dumps(stack_entry({"saves": {"rows": rows}, "sequences": {}}))
+    general_ = pickle.dumps({"saves": {"rows": rows}, "sequences": {}})
+    assert len(stacked) < len(general_)

@@ -1,0 +1,125 @@
+"""Saves that travel stacked: a list of tensors goes home as one tensor and its splits.
+
+A block that keeps a value every step builds a Python list of tensors, one per
+step (``rows.append(layer.output[0].clone())``). Pickled as it stands, each
+element is its own storage: its own device-to-host copy and sync in the worker,
+its own nested ``torch.save`` record, its own copy back in the front end. At a
+thousand requests of 128 steps that is most of a capture's time.
+
+So, in the worker, such a list is replaced by :class:`Stacked`: the elements
+concatenated into one tensor, plus each element's length along the first
+dimension. The front end turns it back into a list of views of that one tensor,
+so the user reads exactly the list the block built: same length, same shapes,
+dtypes, devices and values.
+
+Only lists whose elements can be rebuilt exactly are stacked (see
+:func:`stackable`): plain, contiguous tensors of one dtype and device, with the
+same shape past the first dimension, none sharing storage with another (a
+pickled list keeps such sharing; a stacked one could not). Anything else, a
+ragged list or one holding Python objects, travels as it always did.
+
+Nothing here imports nnsight: the front end of a server runs this too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+#: Shortest list worth stacking: below this the record costs more than it saves.
+MIN_ELEMENTS = 2
+
+
+@dataclass(frozen=True)
+class Stacked:
+    """A list of tensors, concatenated along dim 0 (``lengths`` set) or stacked
+    along a new dim 0 (``lengths`` None, for 0-dimensional elements)."""
+
+    data: Any
+    lengths: tuple[int, ...] | None
+
+    def unstack(self) -> list:
+        if self.lengths is None:
+            return list(self.data.unbind(0))
+        return list(self.data.split(list(self.lengths), dim=0))
+
+
+def stackable(value: Any) -> bool:
+    """Whether ``value`` is a list of tensors that :class:`Stacked` rebuilds exactly."""
+    import torch
+
+    if type(value) is not list or len(value) < MIN_ELEMENTS:
+        return False
+    first = value[0]
+    if type(first) is not torch.Tensor:
+        return False
+    tail, dtype, device = first.shape[1:], first.dtype, first.device
+    storages = set()
+    for element in value:
+        if (
+            type(element) is not torch.Tensor
+            or element.dtype != dtype
+            or element.device != device
+            or element.dim() != first.dim()
+            or element.shape[1:] != tail
+            or element.layout != torch.strided
+            or element.requires_grad
+            or element.is_conj()
+            or element.is_neg()
+            or not element.is_contiguous()
+        ):
+            return False
+        storage = element.untyped_storage().data_ptr()
+        if storage in storages and element.numel():
+            return False
+        storages.add(storage)
+    return True
+
+
+def stack(value: list) -> Stacked:
+    import torch
+
+    if value[0].dim() == 0:
+        return Stacked(torch.stack(value), None)
+    return Stacked(torch.cat(value, dim=0), tuple(int(element.shape[0]) for element in value))
+
+
+def stack_saves(saves: dict) -> dict:
+    """``saves`` with every stackable list replaced by its :class:`Stacked` form."""
+    return {name: stack(value) if stackable(value) else value for name, value in saves.items()}
+
+
+def stack_entry(entry: dict) -> dict:
+    """One request's reply (``saves`` and per-sequence ``sequences``), stacked.
+
+    The flat ``saves`` are sequence 0's own dict in nnsight's reply; they stay
+    one object here too.
+    """
+    stacked = dict(entry)
+    flat = entry.get("saves") or {}
+    sequences = {}
+    for index, sequence in (entry.get("sequences") or {}).items():
+        saves = sequence.get("saves") or {}
+        sequences[index] = {**sequence, "saves": stack_saves(saves)}
+        if saves is flat:
+            stacked["saves"] = sequences[index]["saves"]
+    stacked["sequences"] = sequences
+    if stacked.get("saves") is flat:
+        stacked["saves"] = stack_saves(flat)
+    return stacked
+
+
+class Unstacker:
+    """Turns :class:`Stacked` values back into lists, once each: a value that
+    came home under two keys (flat and sequence 0) stays one list."""
+
+    def __init__(self) -> None:
+        self._done: dict[int, tuple[Stacked, list]] = {}
+
+    def __call__(self, value: Any) -> Any:
+        if not isinstance(value, Stacked):
+            return value
+        kept = self._done.get(id(value))
+        if kept is None:
+            kept = self._done[id(value)] = (value, value.unstack())
+        return kept[1]

@@ -1,0 +1,273 @@
+"""Every touch of nnsight's internals the worker makes, and nowhere else.
+
+The worker reuses nnsight 0.8.1's machinery for running a block beside a forward
+(``Mediator``, ``VLLMInterleaver``, ``VLLMBatcher``, the ``Requests`` book of
+in-flight blocks, its ``eproperty`` ``provide`` calls) but not nnsight's model
+runner: the plugin drives those pieces from torch hooks. Much of what it uses is
+not nnsight's public API, so every such name is used here, in a named function,
+and listed in :data:`TOUCHES`, which ``tests/test_nnsight_seams.py`` checks on
+the installed nnsight. Upgrading nnsight means reading this file.
+
+Two pieces replace nnsight's own where the profile says they are the cost:
+
+- :func:`load_block` compiles a block's source once per distinct source (nnsight
+  compiles it again for every request, and registers a new ``linecache`` entry
+  each time, which is never freed);
+- :func:`collect_entries` winds up all the requests of one collect in one pass
+  (nnsight's ``collect_nnsight`` walks every tracked request per call and syncs
+  the device once per call: quadratic, and one sync per request, when a thousand
+  requests finish together).
+
+Imported by the runtime with the first request that carries a block, never before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import linecache
+from typing import Any
+
+from nnsight.intervention.errors import capture_exception
+from nnsight.intervention.interleaver import Mediator
+from nnsight.intervention.serialization import CustomCloudUnpickler
+from nnsight.modeling.vllm.collect import dumps_compact
+from nnsight.modeling.vllm.fragments import VLLMFragments
+from nnsight.modeling.vllm.interleaver import VLLMInterleaver
+from nnsight.modeling.vllm.model_runners.GPUModelRunner import Request, Requests
+from nnsight.modeling.vllm.vllm import VLLM as NNsightVLLM
+from nnsight.tracing.tracer import _local, _saves, inc
+
+__all__ = [
+    "TOUCHES",
+    "Mediator",
+    "Request",
+    "build_model",
+    "capture_exception",
+    "collect_entries",
+    "dumps_compact",
+    "finish_erred",
+    "is_out_of_order",
+    "load_block",
+    "open_save_scope",
+    "persistent_objects",
+    "provide_logits",
+    "provide_samples",
+    "still_running",
+]
+
+#: ``(module, attribute path)`` of every nnsight name this module relies on that
+#: is not a documented public API. ``tests/test_nnsight_seams.py`` resolves each.
+TOUCHES: tuple[tuple[str, str], ...] = (
+    ("nnsight.intervention.interleaver", "Mediator.__setstate__"),
+    ("nnsight.intervention.interleaver", "Mediator.__init__"),
+    ("nnsight.intervention.interleaver", "Mediator.alive"),
+    ("nnsight.intervention.interleaver", "Interleaver.reindex"),
+    ("nnsight.intervention.interleaver", "Interleaver.__enter__"),
+    ("nnsight.intervention.interleaver", "Interleaver.__exit__"),
+    ("nnsight.intervention.serialization", "CustomCloudUnpickler.find_class"),
+    ("nnsight.intervention.serialization", "CustomCloudUnpickler.persistent_load"),
+    ("nnsight.modeling.vllm.collect", "dumps_compact"),
+    ("nnsight.modeling.vllm.batching", "VLLMBatcher._widen_tensor"),
+    ("nnsight.modeling.vllm.batching", "VLLMBatcher._token_dim"),
+    ("nnsight.modeling.vllm.model_runners.GPUModelRunner", "Request.named"),
+    ("nnsight.modeling.vllm.model_runners.GPUModelRunner", "Request.key"),
+    ("nnsight.modeling.vllm.model_runners.GPUModelRunner", "Request.saves"),
+    ("nnsight.modeling.vllm.model_runners.GPUModelRunner", "Request.deferred"),
+    ("nnsight.modeling.vllm.model_runners.GPUModelRunner", "Request.workers"),
+    ("nnsight.modeling.vllm.model_runners.GPUModelRunner", "Requests.scope"),
+    ("nnsight.modeling.vllm.model_runners.GPUModelRunner", "Requests.unflatten"),
+    ("nnsight.modeling.vllm.model_runners.GPUModelRunner", "Requests.record_saves"),
+    ("nnsight.modeling.vllm.model_runners.GPUModelRunner", "Requests.harvest"),
+    ("nnsight.modeling.vllm.model_runners.GPUModelRunner", "Requests.serve_result"),
+    ("nnsight.modeling.vllm.model_runners.GPUModelRunner", "Requests.finish_dangling"),
+    ("nnsight.modeling.vllm.vllm", "VLLM._remoteable_persistent_objects"),
+    ("nnsight.modeling.vllm.vllm", "VLLM.logits"),
+    ("nnsight.modeling.vllm.vllm", "VLLM.samples"),
+    ("nnsight.tracing.tracer", "_local"),
+    ("nnsight.tracing.tracer", "_saves"),
+    ("nnsight.tracing.tracer", "inc"),
+)
+
+#: The attributes of a ``Mediator``, ``Request`` and ``Requests`` instance read or
+#: written here (instance state, so :data:`TOUCHES` cannot resolve them on the
+#: class); the same test builds one of each and checks them.
+INSTANCE_TOUCHES: dict[str, tuple[str, ...]] = {
+    "Mediator": ("pending", "worker", "exception", "batch_group", "caches", "presaved", "lcls"),
+    "Request": ("id", "mediator", "copies", "harvested", "error"),
+    "Requests": ("requests", "templates"),
+}
+
+
+# ---------------------------------------------------------------------- setup
+def build_model(module: Any, tokenizer: Any, batcher: Any) -> Any:
+    """nnsight's tree over the live module, with a deferring interleaver.
+
+    A block's error is recorded on its own mediator (``defer_exceptions``) so it
+    ends that request, never the engine.
+    """
+    model = NNsightVLLM(module, interleaver=VLLMInterleaver((), fragments=VLLMFragments()))
+    model.tokenizer = tokenizer
+    model.interleaver.batcher = batcher
+    model.interleaver.defer_exceptions = True
+    return model
+
+
+def new_requests() -> Requests:
+    return Requests()
+
+
+def persistent_objects(model: Any) -> dict:
+    """The objects a block refers to by id rather than by copy (nnsight's own)."""
+    return dict(model._remoteable_persistent_objects())
+
+
+# ---------------------------------------------------------------------- blocks
+#: Source text -> (compiled code, its linecache filename). Bounded: sources are
+#: few (one per ``with`` block a client wrote), but a hostile stream of distinct
+#: ones must not grow it without end.
+_CODE: dict[str, Any] = {}
+_CODE_LIMIT = 1024
+
+
+def _compiled(source: str) -> Any:
+    code = _CODE.get(source)
+    if code is None:
+        if len(_CODE) >= _CODE_LIMIT:
+            for stale in list(_CODE)[: _CODE_LIMIT // 2]:
+                linecache.cache.pop(_CODE.pop(stale).co_filename, None)
+        # A filename per source, registered once, so tracebacks and nnsight's
+        # source introspection (a nested ``with`` reads its body from linecache)
+        # work as they do for nnsight's per-request name.
+        filename = f"<block-{hashlib.sha256(source.encode('utf-8')).hexdigest()[:16]}>"
+        linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+        code = _CODE[source] = compile(source, filename, "exec")
+    return code
+
+
+class _SharedCodeMediator(Mediator):
+    """A ``Mediator`` whose block code is compiled once per source, not per request.
+
+    Same state as nnsight's ``Mediator.__setstate__`` builds (its scope, copy
+    flag, presaved names); only where the code object comes from differs.
+    """
+
+    def __setstate__(self, state: dict) -> None:
+        source, glbls, lcls = state["reduced"]
+        self.__init__(_compiled(source), glbls, lcls, copy=state["copy"])
+        self.presaved = state["presaved"]
+
+
+class _BlockUnpickler(CustomCloudUnpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module == Mediator.__module__ and name == Mediator.__name__:
+            return _SharedCodeMediator
+        return super().find_class(module, name)
+
+
+def load_block(data: bytes, persistent: dict) -> Any:
+    """A block's mediator from its serialized bytes (nnsight's format)."""
+    block = _BlockUnpickler(io.BytesIO(data), persistent).load()
+    if not isinstance(block, Mediator):
+        raise TypeError(f"the payload is a {type(block).__name__}, not an nnsight block")
+    return block
+
+
+def open_save_scope() -> None:
+    """A block's ``.save()`` needs an open trace scope on this thread; open one."""
+    if not getattr(_local, "depth", 0):
+        inc()
+
+
+def clear_saves() -> None:
+    """Forget every saved id (nothing is in flight, so none can matter)."""
+    _saves().clear()
+
+
+# ---------------------------------------------------------------------- a step
+def still_running(interleaver: Any) -> None:
+    """Keep only the mediators still parked mid-block (for logits and samples)."""
+    interleaver.mediators = [mediator for mediator in interleaver.mediators if mediator.alive]
+    interleaver.reindex()
+
+
+def provide_logits(model: Any, logits: Any) -> Any:
+    return type(model).logits.provide(model, logits)
+
+
+def provide_samples(model: Any, sampled: Any) -> Any:
+    return type(model).samples.provide(model, sampled)
+
+
+def finish_erred(requests: Any, sampled: Any, eos: int) -> None:
+    """Force end-of-sequence for each request whose block raised (or stopped).
+
+    vLLM ends a request on its sampled token; a block that raised stays scheduled
+    (``Requests.scope``) so this runs each step until vLLM retires it.
+    """
+    for request in requests.requests.values():
+        mediator = request.mediator
+        if mediator is not None and mediator.exception is not None and mediator.batch_group is not None:
+            sampled[mediator.batch_group[0]] = eos
+
+
+def is_out_of_order(error: Any) -> bool:
+    """Whether a captured block error is nnsight's "location never reached"."""
+    return error is not None and "OutOfOrder" in repr(error)
+
+
+# ---------------------------------------------------------------------- collect
+def collect_entries(
+    requests: Any, model: Any, wanted: dict[str, list[str]], outputs: dict | None, reporting: bool
+) -> dict[str, dict]:
+    """Wind up the named finished requests' blocks and return their replies.
+
+    ``wanted`` maps each id the front end asked about to the engine's request ids
+    that answer to it (a request, or the sequences of an ``n > 1`` request). The
+    reply per asked id is nnsight's: ``saves``, ``error``, ``registered`` and
+    per-sequence ``sequences``, as ``NNsightGPUModelRunner.collect_nnsight`` builds
+    it, for all of them in one pass over just these requests.
+    """
+    asked = set(wanted)
+    if requests.templates:  # registered blocks: shelve what they kept
+        requests.harvest(asked)
+    taps = getattr(model.interleaver, "taps", frozenset())
+    saved = _saves()
+    collected: dict[str, dict] = {}
+    for request_ids in wanted.values():
+        for request_id in request_ids:
+            request = requests.requests.get(request_id)
+            if request is None or not request.named(asked):
+                continue
+            engine_id, index = request.key(asked)
+            entry = collected.setdefault(
+                engine_id, {"saves": {}, "error": None, "registered": {}, "sequences": {}}
+            )
+            sequence = entry["sequences"].setdefault(index, {"saves": {}, "registered": {}})
+            for taken in request.harvested.values():
+                sequence["registered"].update(taken["saves"])
+                if entry["error"] is None:
+                    entry["error"] = taken["error"]
+            request.harvested = {}
+            mediator = request.mediator
+            if mediator is not None:
+                if outputs and engine_id in outputs:
+                    output = outputs[engine_id]
+                    if sequence["registered"]:
+                        output.saves = dict(sequence["registered"])
+                    requests.serve_result(mediator, output)  # a block parked on tracer.result
+                requests.finish_dangling(mediator, taps)
+                values = request.saves()
+                if reporting:
+                    sequence["saves"] = values
+                for value in values.values():
+                    saved.discard(id(value))
+            if reporting and entry["error"] is None:
+                entry["error"] = request.deferred()
+            if not request.copies:
+                requests.requests.pop(request.id, None)
+    for entry in collected.values():
+        primary = entry["sequences"].get(0)
+        if primary is not None:
+            entry["saves"], entry["registered"] = primary["saves"], primary["registered"]
+    return collected

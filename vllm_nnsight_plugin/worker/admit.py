@@ -1,0 +1,72 @@
+"""Admission: a new request's envelope, checked and opened into its block.
+
+Runs in the worker at the start of the step in which a request is first
+scheduled. A refused envelope or a block that fails to load is that request's
+error, reported on its output; it never reaches ``execute_model``'s caller.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT
+from ..wire.envelope import EXTRA_ARGS_KEY, EnvelopeError, Limits, open_envelope
+from ..wire.trust import LOCAL_SIGNATURE_KEY, UntrustedBlockError, check_local
+from . import _nnsight as nns
+
+
+class RequestIndex:
+    """Which tracked requests answer to an id the front end asks about.
+
+    The front end names a request by the caller's id; the worker tracks vLLM's
+    internal one (the caller's id plus a suffix, or an ``n > 1`` sequence's
+    ``{index}_{parent}``). nnsight's ``Request`` knows all three spellings; this
+    indexes them, so a collect finds its requests without a walk over all.
+    """
+
+    def __init__(self) -> None:
+        self._ids: dict[str, dict[str, None]] = {}
+        self._spellings: dict[str, tuple[str, ...]] = {}
+
+    def add(self, request: Any) -> None:
+        spellings = tuple(dict.fromkeys((request.engine_id, request.stem, request.id)))
+        self._spellings[request.id] = spellings
+        for spelling in spellings:
+            self._ids.setdefault(spelling, {})[request.id] = None
+
+    def answering(self, asked: str) -> list[str]:
+        """Internal ids answering to ``asked``, in admission order."""
+        return list(self._ids.get(asked, ()))
+
+    def remove(self, internal: str) -> None:
+        for spelling in self._spellings.pop(internal, ()):
+            ids = self._ids.get(spelling)
+            if ids is not None:
+                ids.pop(internal, None)
+                if not ids:
+                    del self._ids[spelling]
+
+    def __len__(self) -> int:
+        return len(self._spellings)
+
+
+def admit(requests: Any, index: RequestIndex, data: Any, persistent: dict, limits: Limits) -> None:
+    """Take the block off one new request (``NewRequestData``) into ``requests``."""
+    params = data.sampling_params
+    request = requests.requests[data.req_id] = nns.Request(data.req_id)
+    index.add(request)
+    try:
+        check_local(params.extra_args[EXTRA_ARGS_KEY], params.extra_args.get(LOCAL_SIGNATURE_KEY))
+        envelope = open_envelope(
+            params.extra_args[EXTRA_ARGS_KEY],
+            nnsight_version=SUPPORTED_NNSIGHT,
+            plugin_version=PLUGIN_VERSION,
+            limits=limits,
+        )
+        request.mediator = nns.load_block(envelope.block_bytes(), persistent)
+    except (EnvelopeError, UntrustedBlockError) as error:
+        request.error = nns.capture_exception(error)
+    except Exception as error:  # a payload nnsight cannot load
+        request.error = nns.capture_exception(
+            EnvelopeError(f"the block could not be loaded on the engine: {error!r}")
+        )

@@ -1,0 +1,125 @@
+"""Collection: finished requests' blocks wound up, their saves packed to go home.
+
+The front end asks (``nnsight_collect``) for every request that finished in a
+step at once. All of them are wound up first, then the device is synchronised
+once, then each request is packed on its own: a save that cannot be sent, or
+that is over the limit, fails that request and no other collected with it.
+Lists of tensors travel stacked (``returns/stacked.py``).
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from typing import Any
+
+from ..returns.outputs import empty_entry
+from ..returns.stacked import stack_entry
+from ..wire.envelope import Limits
+from . import _nnsight as nns
+from .admit import RequestIndex
+from .errors import CompiledForwardError, SaveLimitError, UnsendableSaveError
+
+#: An uncollected block is dropped once its request has been finished this many
+#: steps *and* ``VLLM_NNSIGHT_UNCOLLECTED_S`` seconds (default 30): long enough
+#: for a busy front end's collect to arrive, short enough not to hold memory.
+UNCOLLECTED_STEPS = 8
+
+
+def wind_up(
+    requests: Any,
+    model: Any,
+    index: RequestIndex,
+    request_ids: list[str],
+    outputs: dict | None,
+    reporting: bool,
+) -> dict[str, dict]:
+    """Per asked id, its reply entry; every block named is wound up and forgotten.
+
+    One request's failure to wind up becomes that request's error.
+    """
+    entries: dict[str, dict] = {}
+    for request_id in request_ids:
+        answering = index.answering(request_id)
+        try:
+            entries.update(nns.collect_entries(requests, model, {request_id: answering}, outputs, reporting))
+        except Exception as error:
+            for internal in answering:
+                requests.requests.pop(internal, None)
+            entries[request_id] = {**empty_entry(), "error": nns.capture_exception(error)}
+        for internal in answering:
+            if internal not in requests.requests:
+                index.remove(internal)
+    return entries
+
+
+def pack(request_id: str, entry: dict | None, limits: Limits, compiled_miss: str | None) -> bytes:
+    """One request's reply, pickled as the front end reads it.
+
+    ``compiled_miss`` (on a compiled engine) replaces nnsight's "location never
+    reached" with the reason it was not reached there.
+    """
+    if entry is None:
+        return pickle.dumps({})
+    if compiled_miss is not None and nns.is_out_of_order(entry.get("error")):
+        entry["error"] = nns.capture_exception(CompiledForwardError(compiled_miss))
+    try:
+        part = nns.dumps_compact({request_id: stack_entry(entry)})
+    except Exception as error:  # the block's state is already wound up
+        unsent = UnsendableSaveError(
+            f"a value request {request_id} saved could not be sent back from the "
+            f"engine ({error}). Save tensors (.detach().clone()) and plain Python "
+            "values, not modules, parameters or objects holding them."
+        )
+        return pickle.dumps({request_id: {**empty_entry(), "error": nns.capture_exception(unsent)}})
+    if len(part) > limits.max_save_bytes:
+        over = SaveLimitError(
+            f"request {request_id} saved {len(part)} bytes, over this engine's limit "
+            f"of {limits.max_save_bytes} (VLLM_NNSIGHT_MAX_SAVE_BYTES). Save "
+            "less (a slice, a reduction), or split the work over several traces."
+        )
+        return pickle.dumps({request_id: {**empty_entry(), "error": nns.capture_exception(over)}})
+    return part
+
+
+def synchronize_device() -> None:
+    """Saves may still be device work in flight; they are about to be read."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class Uncollected:
+    """Requests that finished but were not collected, and when.
+
+    The front end collects a request as soon as it finishes. One nobody collects
+    (a caller that bypassed the plugin's front-end seams, a front end that died)
+    is dropped a while after vLLM says it finished, so no state outlives it.
+    """
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.steps = 0
+        self.finished_at: dict[str, tuple[int, float]] = {}
+
+    def step(self, finished: Any, tracked: dict) -> list[str]:
+        """Count a step; note which tracked requests finished; return the stale ones."""
+        self.steps += 1
+        now = time.monotonic()
+        for request_id in finished or ():
+            if request_id in tracked:
+                self.finished_at.setdefault(request_id, (self.steps, now))
+        stale = [
+            rid
+            for rid, (step, at) in self.finished_at.items()
+            if self.steps - step >= UNCOLLECTED_STEPS and now - at >= self.seconds
+        ]
+        for request_id in stale:
+            del self.finished_at[request_id]
+        return [rid for rid in stale if rid in tracked]
+
+    def forget(self, tracked: dict) -> None:
+        """Drop the notes of requests no longer tracked (they were collected)."""
+        for request_id in [rid for rid in self.finished_at if rid not in tracked]:
+            del self.finished_at[request_id]

@@ -1,0 +1,23 @@
+"""The errors a request's block can end with on the engine (its own request only).
+
+Each reaches the caller as the request's deferred error, re-raised by the client
+with the class name and the message, which says what to change.
+"""
+
+from __future__ import annotations
+
+
+class ChunkedPromptError(RuntimeError):
+    """A block's prompt was split across steps by chunked prefill."""
+
+
+class SaveLimitError(RuntimeError):
+    """A request's saves were over the engine's limit."""
+
+
+class UnsendableSaveError(RuntimeError):
+    """A saved value could not be pickled to go back to the front end."""
+
+
+class CompiledForwardError(RuntimeError):
+    """A block asked for a module location in a forward that ran compiled."""

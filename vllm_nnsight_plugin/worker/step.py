@@ -1,0 +1,43 @@
+"""One engine step, as the worker sees it: what was scheduled, and how far it got.
+
+A *step* is one call of the runner's ``execute_model`` then its sampler. vLLM
+packs every scheduled request's new tokens into one ``[tokens, ...]`` slab; a
+block belongs to one request, so each step it is pointed at its own rows.
+
+A step goes through its phases in order, and may stop early at any of them
+(nothing to serve, or the forward raised)::
+
+    SCHEDULED  execute_model was called with this SchedulerOutput
+    FORWARD    the interleaver is open: module hooks serve the blocks
+    SAMPLING   the forward is over; logits and samples are served per request
+    DONE       saves recorded, or nothing in this step needed the interleaver
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Phase(enum.Enum):
+    SCHEDULED = "scheduled"
+    FORWARD = "forward"
+    SAMPLING = "sampling"
+    DONE = "done"
+
+
+@dataclass
+class Step:
+    scheduler_output: Any
+    #: The forward runs as Python on a compiled engine (no CUDA graph, compiled
+    #: module bypassed), because a block may run in it.
+    python: bool = False
+    phase: Phase = Phase.SCHEDULED
+    #: Request id -> its row in the step's per-request tensors (logits, samples).
+    rows: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def open(self) -> bool:
+        """Whether this step has started serving blocks and not yet finished."""
+        return self.phase in (Phase.FORWARD, Phase.SAMPLING)
