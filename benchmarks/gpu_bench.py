@@ -32,6 +32,7 @@ layer for one prompt, one batched unembed (latency).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -69,6 +70,13 @@ def result(**seen) -> None:
 def prompts(n: int) -> list[list[int]]:
     """Token-id prompts (the dummy model's tokenizer is tiny; no detokenizing)."""
     return [[(7 * i + 13 * j) % 1000 + 1 for j in range(PROMPT_LEN)] for i in range(n)]
+
+
+def fresh_prompts(n: int, run: int) -> list[list[int]]:
+    """``n`` prompts no earlier run used: a one-token job is all prompt, and a
+    plain request would otherwise be served from the prefix cache (a traced one
+    never is)."""
+    return [[run + 1, i % 1000 + 1, i // 1000 + 1] + p[3:] for i, p in enumerate(prompts(n))]
 
 
 def timed(fn) -> float:
@@ -173,8 +181,8 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
     one = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
     walls = [timed(lambda: llm.generate(few[:1], one, use_tqdm=False)) for _ in range(12)]
     result(engine=name, job="forward", ms=round(1000 * statistics.median(walls[2:]), 2))
-    swept = prompts(SWEEP)
-    walls = [timed(lambda: llm.generate(swept, one, use_tqdm=False)) for _ in range(3)]
+    batches = [fresh_prompts(SWEEP, run) for run in range(3)]
+    walls = [timed(functools.partial(llm.generate, batch, one, use_tqdm=False)) for batch in batches]
     result(engine=name, job="plain_sweep", ms=round(1000 * statistics.median(walls), 1))
     if plugin == "off":
         return
@@ -197,9 +205,10 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
     result(engine=name, job="lens", ms=round(1000 * statistics.median(walls[2:]), 2))
     walls = [timed(lambda: trace1(model, few[0])) for _ in range(12)]
     result(engine=name, job="trace1", ms=round(1000 * statistics.median(walls[2:]), 2))
-    kept = sweep(model, swept)
+    kept = sweep(model, fresh_prompts(SWEEP, 10))
     assert len(kept) == SWEEP and tuple(kept[0].shape) == (hidden_size(path),), "the sweep lost rows"
-    walls = [timed(lambda: sweep(model, swept)) for _ in range(3)]
+    batches = [fresh_prompts(SWEEP, run) for run in range(11, 14)]
+    walls = [timed(functools.partial(sweep, model, batch)) for batch in batches]
     result(engine=name, job="sweep", ms=round(1000 * statistics.median(walls), 1))
     (stats,) = llm.collective_rpc("nnsight_stats")
     result(engine=name, job="stats", **stats)
@@ -222,9 +231,9 @@ def nnsight_engine(path: str) -> None:
     lens(model, few[0])
     walls = [timed(lambda: lens(model, few[0])) for _ in range(10)]
     result(engine="nnsight", job="lens", ms=round(1000 * statistics.median(walls[2:]), 2))
-    swept = prompts(SWEEP)
-    sweep(model, swept)
-    walls = [timed(lambda: sweep(model, swept)) for _ in range(3)]
+    sweep(model, fresh_prompts(SWEEP, 10))
+    batches = [fresh_prompts(SWEEP, run) for run in range(11, 14)]
+    walls = [timed(functools.partial(sweep, model, batch)) for batch in batches]
     result(engine="nnsight", job="sweep", ms=round(1000 * statistics.median(walls), 1))
 
 
@@ -244,7 +253,7 @@ def profile_engine(path: str) -> None:
 
     llm = LLM(path, enforce_eager=True, **ENGINE)
     model = VLLM(llm)
-    vector, few, swept = unit_vector(path), prompts(CONCURRENT), prompts(SWEEP)
+    vector, few, swept = unit_vector(path), prompts(CONCURRENT), fresh_prompts(SWEEP, 20)
     steer(model, few[:4], 8, vector)
     jobs = {
         "sweep": lambda: sweep(model, swept),

@@ -21,7 +21,8 @@ def test_invokes_of_one_block_each_see_their_own_captured_values(smol):
     assert len(seen) == 3
     plain = seen[0]
     for scale, value in zip(scales, seen):
-        torch.testing.assert_close(value, plain + scale, rtol=1e-5, atol=1e-5)
+        # a mix-up would be off by >= 2; GPU kernels differ by ~1e-3 between batch rows
+        torch.testing.assert_close(value, plain + scale, rtol=1e-2, atol=1e-2)
 
 
 def test_a_list_saved_every_step_comes_back_exactly_as_built(smol):

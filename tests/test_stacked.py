@@ -8,13 +8,21 @@ import torch
 from nnsight.modeling.vllm.collect import dumps_compact
 
 from vllm_nnsight_plugin.returns.outputs import merge_replies
-from vllm_nnsight_plugin.returns.stacked import Stacked, stack_entry, stackable
+from vllm_nnsight_plugin.returns.stacked import Pool, Pooler, Stacked, stack_entry, stackable
+from vllm_nnsight_plugin.wire.envelope import Limits
+from vllm_nnsight_plugin.worker.collect import pack, pool_part
+
+
+def travel_all(entries: dict, limits: Limits | None = None) -> dict:
+    """Entries of one collect through the worker's packing (stacked lists, one
+    pool of tensors) and the front end's merge."""
+    pooler = Pooler()
+    parts = [pack(rid, entry, limits or Limits(), None, pooler) for rid, entry in entries.items()]
+    return merge_replies([parts + pool_part(pooler)])
 
 
 def travel(entry: dict) -> dict:
-    """An entry through the worker's packing and the front end's merge."""
-    part = dumps_compact({"r": stack_entry(entry)})
-    return merge_replies([[part]])["r"]
+    return travel_all({"r": entry})["r"]
 
 
 def general(entry: dict) -> dict:
@@ -94,3 +102,46 @@ def test_a_stacked_list_is_one_record_in_the_pickle():
     stacked = pickle.dumps(stack_entry({"saves": {"rows": rows}, "sequences": {}}))
     general_ = pickle.dumps({"saves": {"rows": rows}, "sequences": {}})
     assert len(stacked) < len(general_)
+
+
+def test_one_collect_sends_its_tensors_in_one_pool():
+    rows = {f"r{i}": torch.randn(64) for i in range(50)}
+    steps = {f"r{i}": [torch.randn(1, 8) for _ in range(3)] for i in range(50)}
+    entries = {
+        rid: {"saves": {"last": rows[rid], "steps": steps[rid], "n": i}, "error": None, "sequences": {}}
+        for i, rid in enumerate(rows)
+    }
+    pooler = Pooler()
+    parts = [pack(rid, entry, Limits(), None, pooler) for rid, entry in entries.items()]
+    extra = pool_part(pooler)
+    assert len(extra) == 1 and isinstance(pickle.loads(extra[0]), Pool)
+    assert all(len(part) < 2_000 for part in parts)  # references only: the tensors are in the pool
+    back = merge_replies([parts + extra])
+    for i, rid in enumerate(rows):
+        torch.testing.assert_close(back[rid]["saves"]["last"], rows[rid], rtol=0, atol=0)
+        for got, want in zip(back[rid]["saves"]["steps"], steps[rid]):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert back[rid]["saves"]["n"] == i
+    storages = {back[rid]["saves"]["last"].untyped_storage().data_ptr() for rid in rows}
+    assert len(storages) == 1  # every row is a view of one flat tensor
+
+
+def test_a_tensor_saved_twice_stays_one_tensor_and_dtypes_pool_apart():
+    shared = torch.randn(4, 4)
+    entry = {
+        "saves": {"a": shared, "b": shared, "half": torch.randn(3).half(), "ints": torch.arange(5)},
+        "error": None,
+        "sequences": {},
+    }
+    back = travel(entry)["saves"]
+    assert back["a"] is back["b"]
+    assert back["half"].dtype == torch.float16 and back["ints"].dtype == torch.int64
+    torch.testing.assert_close(back["ints"], torch.arange(5))
+
+
+def test_the_save_limit_counts_pooled_tensors_and_fails_only_that_request():
+    big = {"saves": {"x": torch.zeros(1024)}, "error": None, "sequences": {}}
+    small = {"saves": {"x": torch.ones(4)}, "error": None, "sequences": {}}
+    back = travel_all({"big": big, "small": small}, Limits(max_save_bytes=2048))
+    assert back["big"]["saves"] == {} and "SaveLimitError" in repr(back["big"]["error"])
+    torch.testing.assert_close(back["small"]["saves"]["x"], torch.ones(4))

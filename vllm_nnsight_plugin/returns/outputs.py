@@ -34,29 +34,32 @@ def empty_entry() -> dict:
 
 def merge_replies(replies: list) -> dict:
     """Per request id, what the workers returned, over all ranks (each rank
-    answers a list of pickled ``{request_id: entry}`` parts).
+    answers a list of pickled parts: one ``{request_id: entry}`` per request, and
+    the collect's :class:`~.stacked.Pool` of saved tensors, if any).
 
     Under tensor parallelism every rank ran the block and holds the same gathered
     values; the first rank's copy is kept.
     """
     import pickle
 
-    from .stacked import Unstacker
+    from .stacked import Pool, Resolver
 
+    loaded = [pickle.loads(part) for reply in replies or () if reply is not None for part in reply]
+    resolve = Resolver({part.id: part for part in loaded if isinstance(part, Pool)})
     merged: dict[str, dict] = {}
-    parts = [part for reply in replies or () if reply is not None for part in reply]
-    for part in parts:
-        unstack = Unstacker()  # lists that travelled stacked (``returns/stacked.py``)
-        for request_id, entry in pickle.loads(part).items():
+    for part in loaded:
+        if isinstance(part, Pool):
+            continue
+        for request_id, entry in part.items():
             into = merged.setdefault(request_id, empty_entry())
             for name, value in (entry.get("saves") or {}).items():
                 if name not in into["saves"]:
-                    into["saves"][name] = unstack(value)
+                    into["saves"][name] = resolve(value)
             for index, sequence in (entry.get("sequences") or {}).items():
                 kept = into["sequences"].setdefault(index, {})
                 for name, value in (sequence.get("saves") or {}).items():
                     if name not in kept:
-                        kept[name] = unstack(value)
+                        kept[name] = resolve(value)
             if into["error"] is None:
                 into["error"] = entry.get("error")
     return merged

@@ -109,17 +109,138 @@ def stack_entry(entry: dict) -> dict:
     return stacked
 
 
-class Unstacker:
-    """Turns :class:`Stacked` values back into lists, once each: a value that
-    came home under two keys (flat and sequence 0) stays one list."""
+# ---------------------------------------------------------------------- pools
+@dataclass(frozen=True)
+class Pooled:
+    """A saved tensor that travelled inside its collect's :class:`Pool`."""
+
+    pool: str
+    index: int
+
+
+@dataclass
+class Pool:
+    """Every poolable tensor saved by the requests of one collect, as one flat
+    tensor per dtype and device, and where each saved tensor sits in it.
+
+    A sweep of a thousand requests, each keeping one row, would otherwise send a
+    thousand tensors (a device copy, a pickle record and a copy back each).
+    """
+
+    id: str
+    flats: list
+    #: index -> (which flat, offset, shape)
+    places: dict[int, tuple[int, int, tuple[int, ...]]]
+
+    def view(self, index: int) -> Any:
+        flat, offset, shape = self.places[index]
+        numel = 1
+        for size in shape:
+            numel *= size
+        return self.flats[flat][offset : offset + numel].view(shape)
+
+
+def poolable(value: Any) -> bool:
+    """A plain contiguous tensor, which a view of a flat copy rebuilds exactly."""
+    import torch
+
+    return (
+        type(value) is torch.Tensor
+        and value.layout == torch.strided
+        and value.numel() > 0
+        and not value.requires_grad
+        and not value.is_conj()
+        and not value.is_neg()
+        and value.is_contiguous()
+    )
+
+
+class Pooler:
+    """The worker's side of a :class:`Pool`: swaps saved tensors for references,
+    request by request, and builds the pool once every request is packed."""
 
     def __init__(self) -> None:
-        self._done: dict[int, tuple[Stacked, list]] = {}
+        import secrets
+
+        self.id = secrets.token_hex(8)
+        self.tensors: dict[int, Any] = {}
+
+    def swap(self, entry: dict) -> tuple[dict, dict[int, Any]]:
+        """``entry`` with its poolable tensors replaced by :class:`Pooled`, and the
+        tensors it would add (index -> tensor), not yet added (see :meth:`add`)."""
+        taken: dict[int, Any] = {}
+        by_tensor: dict[int, Pooled] = {}
+        by_dict: dict[int, dict] = {}
+
+        def ref(tensor: Any) -> Pooled:
+            found = by_tensor.get(id(tensor))
+            if found is None:
+                index = len(self.tensors) + len(taken)
+                found = by_tensor[id(tensor)] = Pooled(self.id, index)
+                taken[index] = tensor
+            return found
+
+        def swap_value(value: Any) -> Any:
+            if poolable(value):
+                return ref(value)
+            if isinstance(value, Stacked) and poolable(value.data):
+                return Stacked(ref(value.data), value.lengths)
+            return value
+
+        def swap_saves(saves: dict) -> dict:
+            done = by_dict.get(id(saves))
+            if done is None:
+                done = by_dict[id(saves)] = {name: swap_value(value) for name, value in saves.items()}
+            return done
+
+        swapped = dict(entry)
+        swapped["saves"] = swap_saves(entry.get("saves") or {})
+        swapped["sequences"] = {
+            index: {**sequence, "saves": swap_saves(sequence.get("saves") or {})}
+            for index, sequence in (entry.get("sequences") or {}).items()
+        }
+        return swapped, taken
+
+    def add(self, taken: dict[int, Any]) -> None:
+        self.tensors.update(taken)
+
+    def pool(self) -> Pool | None:
+        import torch
+
+        if not self.tensors:
+            return None
+        groups: dict[tuple, list[int]] = {}
+        for index, tensor in self.tensors.items():
+            groups.setdefault((tensor.dtype, tensor.device), []).append(index)
+        flats, places = [], {}
+        for number, indices in enumerate(groups.values()):
+            offset = 0
+            for index in indices:
+                tensor = self.tensors[index]
+                places[index] = (number, offset, tuple(tensor.shape))
+                offset += tensor.numel()
+            flats.append(torch.cat([self.tensors[index].reshape(-1) for index in indices]))
+        return Pool(self.id, flats, places)
+
+
+class Resolver:
+    """The front end's side: :class:`Pooled` and :class:`Stacked` values back to
+    tensors and lists, once each, so a value that came home under two keys (flat
+    and sequence 0, or two names) stays one object."""
+
+    def __init__(self, pools: dict[str, Pool]) -> None:
+        self.pools = pools
+        self._done: dict[int, tuple[Any, Any]] = {}
 
     def __call__(self, value: Any) -> Any:
-        if not isinstance(value, Stacked):
+        if not isinstance(value, Pooled | Stacked):
             return value
         kept = self._done.get(id(value))
         if kept is None:
-            kept = self._done[id(value)] = (value, value.unstack())
+            if isinstance(value, Pooled):
+                resolved = self.pools[value.pool].view(value.index)
+            else:
+                data = self(value.data)
+                resolved = Stacked(data, value.lengths).unstack()
+            kept = self._done[id(value)] = (value, resolved)
         return kept[1]

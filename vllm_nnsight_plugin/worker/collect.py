@@ -4,7 +4,8 @@ The front end asks (``nnsight_collect``) for every request that finished in a
 step at once. All of them are wound up first, then the device is synchronised
 once, then each request is packed on its own: a save that cannot be sent, or
 that is over the limit, fails that request and no other collected with it.
-Lists of tensors travel stacked (``returns/stacked.py``).
+Lists of tensors travel stacked, and every saved tensor of the collect travels
+in one pool per dtype and device (``returns/stacked.py``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 from typing import Any
 
 from ..returns.outputs import empty_entry
-from ..returns.stacked import stack_entry
+from ..returns.stacked import Pooler, stack_entry
 from ..wire.envelope import Limits
 from . import _nnsight as nns
 from .admit import RequestIndex
@@ -53,8 +54,11 @@ def wind_up(
     return entries
 
 
-def pack(request_id: str, entry: dict | None, limits: Limits, compiled_miss: str | None) -> bytes:
-    """One request's reply, pickled as the front end reads it.
+def pack(
+    request_id: str, entry: dict | None, limits: Limits, compiled_miss: str | None, pooler: Pooler
+) -> bytes:
+    """One request's reply, pickled as the front end reads it; its tensors go to
+    ``pooler`` (one pool per collect, sent as the last part: :func:`pool_part`).
 
     ``compiled_miss`` (on a compiled engine) replaces nnsight's "location never
     reached" with the reason it was not reached there.
@@ -64,7 +68,8 @@ def pack(request_id: str, entry: dict | None, limits: Limits, compiled_miss: str
     if compiled_miss is not None and nns.is_out_of_order(entry.get("error")):
         entry["error"] = nns.capture_exception(CompiledForwardError(compiled_miss))
     try:
-        part = nns.dumps_compact({request_id: stack_entry(entry)})
+        swapped, taken = pooler.swap(stack_entry(entry))
+        part = nns.dumps_compact({request_id: swapped})
     except Exception as error:  # the block's state is already wound up
         unsent = UnsendableSaveError(
             f"a value request {request_id} saved could not be sent back from the "
@@ -72,14 +77,22 @@ def pack(request_id: str, entry: dict | None, limits: Limits, compiled_miss: str
             "values, not modules, parameters or objects holding them."
         )
         return pickle.dumps({request_id: {**empty_entry(), "error": nns.capture_exception(unsent)}})
-    if len(part) > limits.max_save_bytes:
+    size = len(part) + sum(tensor.numel() * tensor.element_size() for tensor in taken.values())
+    if size > limits.max_save_bytes:
         over = SaveLimitError(
-            f"request {request_id} saved {len(part)} bytes, over this engine's limit "
+            f"request {request_id} saved {size} bytes, over this engine's limit "
             f"of {limits.max_save_bytes} (VLLM_NNSIGHT_MAX_SAVE_BYTES). Save "
             "less (a slice, a reduction), or split the work over several traces."
         )
         return pickle.dumps({request_id: {**empty_entry(), "error": nns.capture_exception(over)}})
+    pooler.add(taken)
     return part
+
+
+def pool_part(pooler: Pooler) -> list[bytes]:
+    """The collect's pool of saved tensors as a reply part (none if nothing pooled)."""
+    pool = pooler.pool()
+    return [] if pool is None else [pickle.dumps(pool)]
 
 
 def synchronize_device() -> None:

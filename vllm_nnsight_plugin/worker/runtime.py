@@ -247,11 +247,13 @@ class WorkerRuntime:
 
         ``outputs`` are the finished ``RequestOutput`` objects (pickled), which
         serve ``tracer.result``; None only winds up (an aborted request). One
-        reply part per request id, packed on its own (``collect.py``).
+        reply part per request id, packed on its own, then the pool of saved
+        tensors they refer to (``collect.py``).
         """
         if self.requests is None:
             return None
-        from .collect import pack, synchronize_device, wind_up
+        from ..returns.stacked import Pooler
+        from .collect import pack, pool_part, synchronize_device, wind_up
 
         finished = pickle.loads(outputs) if outputs else None
         entries = wind_up(self.requests, self.model, self.index, request_ids, finished, seams.reports_saves())
@@ -259,7 +261,9 @@ class WorkerRuntime:
         if any(entry.get("saves") or entry.get("sequences") for entry in entries.values()):
             synchronize_device()
         miss = None if self.eager else self._compiled_miss()
-        return [pack(rid, entries.get(rid), self.limits, miss) for rid in request_ids]
+        pooler = Pooler()
+        parts = [pack(rid, entries.get(rid), self.limits, miss, pooler) for rid in request_ids]
+        return parts + pool_part(pooler)
 
     def _compiled_miss(self) -> str:
         """Why a module location was never reached on this compiled engine."""
