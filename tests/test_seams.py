@@ -1,7 +1,9 @@
 """The vLLM seams and the plugin entry point, checked against the installed vLLM.
 
-When a vLLM release moves one of the internals in ``seams.py`` these tests fail
-by name, before any behaviour test has to guess why saves stopped arriving."""
+When a vLLM release moves one of the internals in ``seams/`` these tests fail
+by name, before any behaviour test has to guess why saves stopped arriving. The
+wrapped methods are the ones ``seams.SEAMS`` declares, the list ``plugin.register``
+installs from."""
 
 from __future__ import annotations
 
@@ -14,35 +16,6 @@ import pytest
 from vllm_nnsight_plugin import seams
 from vllm_nnsight_plugin.versions import SUPPORTED_VLLM, UnsupportedVersion, check_vllm, vllm_version
 
-SEAMS = [
-    ("vllm.engine.arg_utils", "EngineArgs", "create_engine_config", ["self"]),
-    (
-        "vllm.v1.engine.input_processor",
-        "InputProcessor",
-        "process_inputs",
-        ["self", "request_id", "prompt", "params"],
-    ),
-    ("vllm.v1.engine.llm_engine", "LLMEngine", "add_request", ["self", "request_id", "prompt", "params"]),
-    ("vllm.v1.engine.llm_engine", "LLMEngine", "step", ["self"]),
-    ("vllm.v1.engine.llm_engine", "LLMEngine", "abort_request", ["self", "request_ids"]),
-    ("vllm.v1.core.sched.scheduler", "Scheduler", "add_request", ["self", "request"]),
-    ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule", ["self"]),
-    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model", ["self", "scheduler_output"]),
-    ("vllm.v1.engine.async_llm", "AsyncLLM", "generate", ["self", "prompt", "sampling_params", "request_id"]),
-    (
-        "vllm.entrypoints.openai.completion.serving",
-        "OpenAIServingCompletion",
-        "create_completion",
-        ["self", "request"],
-    ),
-    (
-        "vllm.entrypoints.openai.chat_completion.serving",
-        "OpenAIServingChat",
-        "create_chat_completion",
-        ["self", "request"],
-    ),
-]
-
 
 def test_installed_vllm_is_supported():
     assert vllm_version().startswith(SUPPORTED_VLLM)
@@ -50,14 +23,68 @@ def test_installed_vllm_is_supported():
         check_vllm("0.11.0")
 
 
-@pytest.mark.parametrize("module, owner, name, leading", SEAMS, ids=[f"{o}.{n}" for _, o, n, _ in SEAMS])
-def test_seam_exists_with_the_expected_signature(module, owner, name, leading):
+@pytest.mark.parametrize("seam", seams.SEAMS, ids=[seam.label for seam in seams.SEAMS])
+def test_seam_exists_with_the_expected_signature(seam):
     import importlib
 
-    cls = getattr(importlib.import_module(module), owner)
-    function = inspect.unwrap(getattr(cls, name))
+    cls = getattr(importlib.import_module(seam.module), seam.owner)
+    function = inspect.unwrap(getattr(cls, seam.name))
     params = list(inspect.signature(function).parameters)
-    assert params[: len(leading)] == leading, f"{owner}.{name} now takes {params}"
+    assert tuple(params[: len(seam.leading)]) == seam.leading, f"{seam.label} now takes {params}"
+
+
+def test_register_installs_every_declared_front_end_and_engine_core_seam():
+    processes = {seam.process for seam in seams.SEAMS}
+    assert processes == {seams.FRONT_END, seams.ENGINE_CORE, seams.WORKER}
+    for seam in seams.SEAMS:
+        if seam.process == seams.WORKER:
+            assert seam.module not in seams.INSTALLERS, seam.label  # installed by workers only
+        else:
+            assert seam.module in seams.INSTALLERS, f"{seam.label}: no installer in seams.INSTALLERS"
+    assert set(seams.INSTALLERS) == {s.module for s in seams.SEAMS if s.process != seams.WORKER}
+
+
+def test_the_declared_seams_are_exactly_the_wraps_made():
+    """After ``register`` and the worker's runner patch, every declared seam is
+    wrapped, and no method of a class the plugin touches is wrapped undeclared."""
+    code = (
+        "import importlib\n"
+        "from vllm_nnsight_plugin import seams\n"
+        "from vllm_nnsight_plugin.plugin import register\n"
+        "register()\n"
+        "seams.worker.patch_model_runner(lambda runner, output: None, lambda runner: None)\n"
+        "owners = {(s.module, s.owner) for s in seams.SEAMS}\n"
+        "made = {f'{owner}.{name}' for module, owner in owners\n"
+        "        for name, value in vars(getattr(importlib.import_module(module), owner)).items()\n"
+        "        if getattr(value, '_vllm_nnsight_wrapped', False)}\n"
+        "declared = {s.label for s in seams.SEAMS}\n"
+        "assert made == declared, (sorted(made - declared), sorted(declared - made))\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.stdout.strip().endswith("ok"), result.stderr[-2000:]
+
+
+def test_the_seams_package_does_not_import_worker_code():
+    """Workers import ``seams``; ``seams`` must not import the worker back."""
+    import ast
+    from pathlib import Path
+
+    package = Path(seams.__file__).parent
+    worker = "vllm_nnsight_plugin.worker"
+    for path in sorted(package.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                # ``.`` is this package, ``..`` is vllm_nnsight_plugin.
+                base = {0: "", 1: "vllm_nnsight_plugin.seams", 2: "vllm_nnsight_plugin"}[node.level]
+                module = ".".join(part for part in (base, node.module) if part)
+                names = [module] + [f"{module}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for name in names:
+                assert name != worker and not name.startswith(worker + "."), f"{path.name} imports {name}"
 
 
 def test_scheduler_reads_the_chunking_switches_where_we_override_them():

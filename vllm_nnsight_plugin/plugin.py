@@ -4,9 +4,9 @@ vLLM calls :func:`register` in every process it starts (the front end, the
 engine core, each worker, the model-inspection subprocess), sometimes more than
 once, before any engine config exists. So it must be cheap, idempotent and
 side-effect free beyond this: it checks the vLLM version, then arranges for the
-front-end seams (``seams.py``) to be installed when, and only when, the vLLM
-module that holds each one is imported in this process. Worker seams are
-installed by the worker extension, which only workers import.
+front-end and engine-core seams (``seams.INSTALLERS``) to be installed when, and
+only when, the vLLM module that holds each one is imported in this process.
+Worker seams are installed by the worker extension, which only workers import.
 
 It never starts anything, never imports torch models, and never changes a
 request that carries no block.
@@ -95,11 +95,8 @@ def register() -> None:
     from .versions import check_vllm
 
     version = check_vllm()
-    when_imported("vllm.engine.arg_utils", seams.patch_engine_args)
-    when_imported("vllm.v1.engine.input_processor", seams.patch_input_processor)
-    when_imported("vllm.v1.engine.llm_engine", seams.patch_llm_engine)
-    when_imported("vllm.v1.engine.async_llm", seams.patch_async_llm)
-    when_imported("vllm.v1.core.sched.scheduler", seams.patch_scheduler)
-    when_imported("vllm.entrypoints.openai.completion.serving", seams.patch_openai_completion)
-    when_imported("vllm.entrypoints.openai.chat_completion.serving", seams.patch_openai_chat)
+    for module, install in seams.INSTALLERS.items():
+        when_imported(module, install)
+    arranged = [seam.label for seam in seams.SEAMS if seam.module in seams.INSTALLERS]
+    logger.info("vllm-nnsight: %d seams arranged: %s", len(arranged), ", ".join(arranged))
     logger.debug("vllm-nnsight: registered on vLLM %s (pid %d)", version, os.getpid())

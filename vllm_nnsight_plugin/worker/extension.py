@@ -10,11 +10,12 @@ at module level either: it loads with the first request that carries a block.
 vLLM mixes this class into its ``Worker`` (``worker_extension_cls``), so its
 methods are reachable through ``collective_rpc``. Importing this module happens
 in the worker processes only, when vLLM resolves that class, which makes it the
-place where the runner seam is installed.
+place where the runner seams are installed (``seams.worker.patch_model_runner``).
 
 vLLM has one extension slot. When the user already set a class of their own, the
-front end configures ``With_<hex>`` instead, a name this module answers by
-building a class that derives from both, so neither is lost.
+front end configures ``With_<hex>`` instead (the naming rule is
+``seams.composed_name``), a name this module answers by building a class that
+derives from both, so neither is lost.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .. import seams
+from ..seams import composed_name as composed_name  # where it always was, too
+from ..seams import composed_user
+from ..seams.worker import patch_model_runner
 from ..wire.trust import local_key
 from .runtime import WorkerRuntime
 
@@ -44,7 +47,7 @@ def _on_step_failed(runner: Any) -> None:
     runtime_of(runner).abandon_step()
 
 
-seams.patch_model_runner(_on_step, _on_step_failed)
+patch_model_runner(_on_step, _on_step_failed)
 # Read the local key now, as the worker starts: a later change to this process's
 # environment (vLLM's development RPC route can make one) cannot forge it.
 local_key()
@@ -82,15 +85,10 @@ class NNsightWorkerExtension(metaclass=_OwnNames):
         return runtime_of(self.model_runner).stats()
 
 
-def composed_name(user_qualname: str) -> str:
-    """The qualified name that resolves to ``user class + NNsightWorkerExtension``."""
-    return f"{__name__}.With_{user_qualname.encode('utf-8').hex()}"
-
-
 def __getattr__(name: str) -> Any:
-    if not name.startswith("With_"):
+    qualname = composed_user(name)  # the ``With_<hex>`` names ``composed_name`` makes
+    if qualname is None:
         raise AttributeError(name)
-    qualname = bytes.fromhex(name[len("With_") :]).decode("utf-8")
     module_name, _, class_name = qualname.rpartition(".")
     user = getattr(importlib.import_module(module_name), class_name)
     composed = type(name, (user, NNsightWorkerExtension), {"__module__": __name__})

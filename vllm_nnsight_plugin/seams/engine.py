@@ -1,0 +1,77 @@
+"""Engine-core seams: the process that schedules.
+
+``Scheduler.add_request`` / ``Scheduler.schedule``; see :func:`patch_scheduler`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from . import _wrap, carries_block
+
+
+class _Unchunked:
+    """A view of a ``SchedulerConfig`` that admits waiting prompts whole or not at all."""
+
+    def __init__(self, config: Any) -> None:
+        self._config = config
+
+    enable_chunked_prefill = False
+    long_prefill_token_threshold = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, name)
+
+
+def patch_scheduler() -> None:
+    """Keep a traced prompt in one step: a block sees its prompt whole.
+
+    vLLM's chunked prefill splits a prompt across steps when the step's token
+    budget is partly taken, and a block would then see a slice of its prompt.
+    While a request with a block waits for admission, ``schedule`` reads a view
+    of its config with chunking off for *waiting* requests (vLLM 0.25 and 0.32
+    read both fields from ``self.scheduler_config`` inside ``schedule``): a
+    waiting prompt that does not fit this step waits for the next one instead of
+    being split. Running requests chunk as before. This is done only while every
+    waiting prompt fits the step budget at all, so nothing can wait forever; a
+    traced prompt longer than the budget is still chunked and its block refused
+    with a clear error in the worker.
+    """
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    def make_add(original: Callable) -> Callable:
+        def add_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, request, *args, **kwargs)
+            if carries_block(request.sampling_params):
+                self.__dict__.setdefault("_nnsight_waiting", {})[request.request_id] = request
+            return result
+
+        return add_request
+
+    def make_schedule(original: Callable) -> Callable:
+        def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+            waiting = self.__dict__.get("_nnsight_waiting")
+            if not waiting:
+                return original(self, *args, **kwargs)
+            for request_id in [rid for rid in waiting if rid not in self.requests]:
+                del waiting[request_id]  # aborted before it ran
+            budget = self.max_num_scheduled_tokens
+            whole = bool(waiting) and all(
+                r.num_tokens - r.num_computed_tokens <= budget for r in self.waiting
+            )
+            config = self.scheduler_config
+            if whole:
+                self.scheduler_config = _Unchunked(config)
+            try:
+                output = original(self, *args, **kwargs)
+            finally:
+                self.scheduler_config = config
+            for data in output.scheduled_new_reqs:
+                waiting.pop(data.req_id, None)
+            return output
+
+        return schedule
+
+    _wrap(Scheduler, "add_request", make_add)
+    _wrap(Scheduler, "schedule", make_schedule)

@@ -1,0 +1,272 @@
+"""Front-end seams: the process that owns ``LLM``, ``AsyncLLM`` or the OpenAI server.
+
+``EngineArgs.create_engine_config``, ``InputProcessor.process_inputs``,
+``LLMEngine.add_request`` / ``step`` / ``abort_request``, ``AsyncLLM.generate`` and
+the OpenAI completion and chat handlers; why each is wrapped is in the package
+docstring (``seams/__init__.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import pickle
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from ..wire.envelope import EXTRA_ARGS_KEY
+from . import _wrap, carries_block, extension_for
+
+#: Per engine config this process built (by id, checked by a weak reference, as
+#: configs are unhashable): whether it runs vLLM's V2 runner, which the plugin
+#: does not hook.
+_V2_RUNNER: dict[int, tuple[weakref.ref, bool]] = {}
+
+
+def _note_runner(config: Any) -> None:
+    for key in [k for k, (ref, _) in _V2_RUNNER.items() if ref() is None]:
+        del _V2_RUNNER[key]
+    _V2_RUNNER[id(config)] = (weakref.ref(config), bool(getattr(config, "use_v2_model_runner", False)))
+
+
+def runs_v2_runner(config: Any) -> bool:
+    ref, v2 = _V2_RUNNER.get(id(config), (None, False))
+    return v2 and ref is not None and ref() is config
+
+
+def patch_engine_args() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    def make(original: Callable) -> Callable:
+        def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+            from ..wire.trust import ensure_local_key
+
+            ensure_local_key()  # before the engine's processes start: they inherit it
+            self.worker_extension_cls = extension_for(self.worker_extension_cls)
+            # The worker reads the V1 runner's persistent batch; vLLM reads this
+            # variable lazily, so a default set here reaches the engine (0.25 GPU
+            # and 0.32 GPU default to the V2 runner; the CPU build is always V1).
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+            config = original(self, *args, **kwargs)
+            # Fixed now, as the engine is built: the variable may change later.
+            _note_runner(config)
+            return config
+
+        return create_engine_config
+
+    _wrap(EngineArgs, "create_engine_config", make)
+
+
+def patch_input_processor() -> None:
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from ..wire.trust import touches_trust
+
+    def make(original: Callable) -> Callable:
+        def process_inputs(
+            self: Any, request_id: str, prompt: Any, params: Any, *args: Any, **kwargs: Any
+        ) -> Any:
+            extra = getattr(params, "extra_args", None)
+            if not touches_trust(extra):
+                return original(self, request_id, prompt, params, *args, **kwargs)
+            # The caller's extra_args (a dict the OpenAI server shares between a
+            # request's prompts) stay as they were: the engine gets a dict of its
+            # own on a shallow copy, which vLLM's own process_inputs then clones as
+            # it does every request's params (deep unless skip_clone is set).
+            params = copy.copy(params)
+            params.extra_args = dict(extra)
+            _sign_vouched(self, params.extra_args)
+            if EXTRA_ARGS_KEY not in params.extra_args:
+                return original(self, request_id, prompt, params, *args, **kwargs)
+            # Cached prompt rows are never recomputed, so hooks would not see them.
+            params.skip_reading_prefix_cache = True
+            request = original(self, request_id, prompt, params, *args, **kwargs)
+            # A salt of its own keeps an edited request's KV blocks out of reach of
+            # every other request (skip_reading_prefix_cache only stops reads).
+            salt = f"vllm-nnsight:{request_id}"
+            request.cache_salt = f"{request.cache_salt}|{salt}" if request.cache_salt else salt
+            return request
+
+        return process_inputs
+
+    _wrap(InputProcessor, "process_inputs", make)
+
+
+@functools.cache
+def _refused_class() -> type:
+    """:class:`RefusedBlockError` that vLLM also reads as a bad request (HTTP 400)."""
+    from vllm.exceptions import VLLMValidationError
+
+    from ..wire.trust import RefusedBlockError
+
+    return type("RefusedBlockError", (VLLMValidationError, RefusedBlockError), {})
+
+
+def _refused(message: str) -> Exception:
+    return _refused_class()(message)
+
+
+def _sign_vouched(processor: Any, extra: dict) -> None:
+    """Issue the worker's signature for a vouched block; refuse any other block.
+
+    Every request with a block passes here in the front end, whatever the entry
+    (``LLM``, ``AsyncLLM``, any HTTP endpoint), so this is the one place the
+    signature is made. A signature the request arrived with is dropped: it may
+    have been read from a log. See ``wire/trust.py``.
+    """
+    from ..wire.trust import LOCAL_SIGNATURE_KEY, VOUCHED_KEY, Vouched, local_signature
+
+    vouched = extra.pop(VOUCHED_KEY, None)
+    extra.pop(LOCAL_SIGNATURE_KEY, None)
+    if EXTRA_ARGS_KEY not in extra:
+        return
+    envelope = extra[EXTRA_ARGS_KEY]
+    if not (isinstance(vouched, Vouched) and vouched.covers(envelope)):
+        raise _refused(
+            "this request carries an nnsight block that was neither built in this "
+            "process by the vllm_nnsight_plugin client nor admitted by the server's "
+            "nnsight door (/v1/completions or /v1/chat/completions with a block signed "
+            "with the operator's key); it is refused and none of it runs."
+        )
+    config = getattr(processor, "vllm_config", None)
+    if runs_v2_runner(config):
+        raise _refused(
+            "this engine runs vLLM's V2 model runner (VLLM_USE_V2_MODEL_RUNNER is set), "
+            "which the plugin does not instrument, so the block would never run; unset "
+            "VLLM_USE_V2_MODEL_RUNNER (the plugin then selects the V1 runner)."
+        )
+    parallel = getattr(config, "parallel_config", None)
+    if getattr(parallel, "data_parallel_size", 1) > 1:
+        raise _refused(
+            "nnsight blocks are not supported with data_parallel_size > 1 yet (saves "
+            "are collected from one engine only); serve with one data-parallel rank."
+        )
+    extra[LOCAL_SIGNATURE_KEY] = local_signature(envelope)
+
+
+def patch_llm_engine() -> None:
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    def make_add(original: Callable) -> Callable:
+        def add_request(
+            self: Any, request_id: str, prompt: Any, params: Any, *args: Any, **kwargs: Any
+        ) -> Any:
+            result = original(self, request_id, prompt, params, *args, **kwargs)
+            if carries_block(params):
+                # The finished RequestOutput carries the caller's (external) id;
+                # the engine's internal one adds a random suffix.
+                self.__dict__.setdefault("_nnsight_pending", set()).add(request_id)
+            return result
+
+        return add_request
+
+    def make_step(original: Callable) -> Callable:
+        def step(self: Any) -> Any:
+            outputs = original(self)
+            pending = self.__dict__.get("_nnsight_pending")
+            if pending:
+                finished = [o for o in outputs if getattr(o, "finished", False) and o.request_id in pending]
+                if finished:
+                    from ..returns.outputs import attach_collected
+
+                    ids = [o.request_id for o in finished]
+                    pending.difference_update(ids)
+                    replies = self.collective_rpc(
+                        "nnsight_collect",
+                        args=(ids, pickle.dumps({o.request_id: o for o in finished})),
+                    )
+                    attach_collected(finished, replies)
+            return outputs
+
+        return step
+
+    def make_abort(original: Callable) -> Callable:
+        def abort_request(self: Any, request_ids: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, request_ids, *args, **kwargs)
+            pending = self.__dict__.get("_nnsight_pending")
+            if pending:
+                ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+                dropped = [rid for rid in ids if rid in pending]
+                if dropped:
+                    pending.difference_update(dropped)
+                    # Wind up the aborted requests' blocks so no state outlives them.
+                    self.collective_rpc("nnsight_collect", args=(dropped, None))
+            return result
+
+        return abort_request
+
+    _wrap(LLMEngine, "add_request", make_add)
+    _wrap(LLMEngine, "step", make_step)
+    _wrap(LLMEngine, "abort_request", make_abort)
+
+
+def patch_async_llm() -> None:
+    """Collect a traced request's saves on its finished output, on ``AsyncLLM``.
+
+    Requests without a block get vLLM's own stream back untouched.
+    """
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    def make(original: Callable) -> Callable:
+        def generate(
+            self: Any, prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any
+        ) -> Any:
+            if not carries_block(sampling_params):
+                return original(self, prompt, sampling_params, request_id, *args, **kwargs)
+            from ..returns.outputs import traced_stream
+            from ..server.responses import current
+
+            # Saves are collected by request id: two traced requests may not share one.
+            in_flight = self.__dict__.setdefault("_nnsight_in_flight", set())
+            if request_id in in_flight:
+                raise _refused(
+                    f"a request with id {request_id!r} carrying an nnsight block is already "
+                    "running; give each traced request its own id."
+                )
+            stream = original(self, prompt, sampling_params, request_id, *args, **kwargs)
+            in_flight.add(request_id)  # until the stream ends (``traced_stream``)
+            collector = current()  # set while the OpenAI handler runs
+            if collector is not None:
+                collector.started(request_id)
+            on_finished = collector.finished if collector else None
+            return traced_stream(self, stream, request_id, on_finished, in_flight)
+
+        return generate
+
+    _wrap(AsyncLLM, "generate", make)
+
+
+def _serving_handler(original: Callable) -> Callable:
+    """Admit or refuse blocks from the network; return their saves in the JSON."""
+
+    async def handle(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        from ..server import gate, responses
+        from ..wire.trust import touches_trust
+
+        xargs = getattr(request, "vllm_xargs", None)
+        if not touches_trust(xargs):
+            return await original(self, request, *args, **kwargs)
+        refusal = gate.admit(xargs, beam_search=bool(getattr(request, "use_beam_search", False)))
+        if refusal is not None:
+            return self.create_error_response(
+                refusal.message, err_type=refusal.kind, status_code=refusal.status
+            )
+        with responses.collecting() as collector:
+            result = await original(self, request, *args, **kwargs)
+        return responses.finish(self, result, collector)
+
+    return handle
+
+
+def patch_openai_completion() -> None:
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+
+    _wrap(OpenAIServingCompletion, "create_completion", _serving_handler)
+
+
+def patch_openai_chat() -> None:
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+
+    _wrap(OpenAIServingChat, "create_chat_completion", _serving_handler)

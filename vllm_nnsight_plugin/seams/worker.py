@@ -1,0 +1,172 @@
+"""Worker seams: each process that runs the model.
+
+The runner wraps (:func:`patch_model_runner`, installed by ``worker/extension.py``
+when a worker imports it), the switches for a step run as plain Python, and the
+small reads of the scheduler output, the runner and the sampler output that the
+worker runtime makes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from . import _wrap
+
+
+def patch_model_runner(on_step: Callable[[Any, Any], None], on_step_end: Callable[[Any], None]) -> None:
+    """Call ``on_step(runner, scheduler_output)`` before each real forward step."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def make(original: Callable) -> Callable:
+        def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+            on_step(self, scheduler_output)
+            try:
+                return original(self, scheduler_output, *args, **kwargs)
+            except BaseException:
+                on_step_end(self)
+                raise
+
+        return execute_model
+
+    def make_dispatch(original: Callable) -> Callable:
+        def determine(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.__dict__.get(UNCOMPILED_STEP):
+                kwargs["force_eager"] = True  # no CUDA graph for this step's batch
+            result = original(self, *args, **kwargs)
+            mode = getattr(result[0], "name", str(result[0]))
+            counts = self.__dict__.setdefault(GRAPH_MODES, {})
+            counts[mode] = counts.get(mode, 0) + 1
+            return result
+
+        return determine
+
+    _wrap(GPUModelRunner, "execute_model", make)
+    _wrap(GPUModelRunner, "_determine_batch_execution_and_padding", make_dispatch)
+
+
+#: Set on a runner for a step whose forward must run as plain Python.
+UNCOMPILED_STEP = "_nnsight_uncompiled_step"
+#: On a runner: how many forwards vLLM dispatched in each CUDA-graph mode.
+GRAPH_MODES = "_nnsight_graph_modes"
+
+
+def graph_mode_counts(runner: Any) -> dict[str, int]:
+    return dict(runner.__dict__.get(GRAPH_MODES, {}))
+
+
+def runner_name(runner: Any) -> str:
+    return f"{type(runner).__module__}.{type(runner).__qualname__}"
+
+
+def mark_uncompiled_step(runner: Any, uncompiled: bool) -> None:
+    """Run (or stop running) this runner's next forward without CUDA graphs."""
+    runner.__dict__[UNCOMPILED_STEP] = uncompiled
+
+
+def skip_compiled_forward() -> None:
+    """Make the model's ``@support_torch_compile`` module call its Python forward.
+
+    Called from the root module's forward pre-hook, inside the step's forward
+    context: vLLM's decorator reads ``skip_compiled`` there on every call (0.25
+    and 0.32), and it is what vLLM itself uses for steps a compiled graph cannot
+    serve.
+    """
+    from vllm.forward_context import get_forward_context
+
+    get_forward_context().skip_compiled = True
+
+
+class StepLayout:
+    """Which rows of this step's packed ``[tokens, ...]`` slab belong to which request.
+
+    Read from the V1 runner's persistent batch with no device sync:
+    ``input_batch.req_ids[:num_reqs]`` is the row order, ``query_start_loc.np``
+    the row offsets. Valid between ``_prepare_inputs`` and the sampler, which is
+    exactly when the forward hooks run.
+    """
+
+    __slots__ = ("req_ids", "starts", "counts")
+
+    def __init__(self, runner: Any) -> None:
+        batch = runner.input_batch
+        n = batch.num_reqs
+        qsl = runner.query_start_loc.np[: n + 1]
+        self.req_ids: list[str] = list(batch.req_ids[:n])
+        self.starts = [int(x) for x in qsl[:n]]
+        self.counts = [int(qsl[i + 1] - qsl[i]) for i in range(n)]
+
+    def spans(self) -> list[tuple[str, int]]:
+        return list(zip(self.req_ids, self.counts))
+
+
+def new_requests(scheduler_output: Any) -> Any:
+    """This step's newly scheduled requests (``NewRequestData``: ``req_id``, ``sampling_params``)."""
+    return getattr(scheduler_output, "scheduled_new_reqs", None) or ()
+
+
+def new_params(scheduler_output: Any) -> list:
+    """The ``SamplingParams`` of this step's newly scheduled requests."""
+    return [getattr(data, "sampling_params", None) for data in new_requests(scheduler_output)]
+
+
+def scheduled_ids(scheduler_output: Any) -> Any:
+    """Ids of every request scheduled in this step."""
+    return getattr(scheduler_output, "num_scheduled_tokens", None) or ()
+
+
+def finished_ids(scheduler_output: Any) -> Any:
+    """Ids of the requests the scheduler finished since the last step."""
+    return getattr(scheduler_output, "finished_req_ids", None) or ()
+
+
+def model_of(runner: Any) -> Any:
+    """The runner's live model module (what the nnsight tree wraps)."""
+    return runner.get_model()
+
+
+def sampler_of(runner: Any) -> Any:
+    """The runner's sampler, an ``nn.Module`` called as ``sampler(logits=..., ...)`` (V1)."""
+    return runner.sampler
+
+
+def tokenizer_of(runner: Any) -> Any:
+    from vllm.tokenizers import cached_tokenizer_from_config
+
+    return cached_tokenizer_from_config(runner.model_config)
+
+
+def sampled_ids(sampler_output: Any) -> Any:
+    """The ``[requests, 1]`` token ids the sampler drew (``SamplerOutput``)."""
+    return sampler_output.sampled_token_ids
+
+
+def set_sampled_ids(sampler_output: Any, ids: Any) -> None:
+    sampler_output.sampled_token_ids = ids
+
+
+def eos_token_id(tokenizer: Any) -> int | None:
+    return getattr(tokenizer, "eos_token_id", None)
+
+
+def reports_saves() -> bool:
+    """Whether this worker's saves are the ones sent home: under tensor or pipeline
+    parallelism every rank runs each block on the same gathered values, and the
+    first rank answers for all."""
+    from vllm.distributed.parallel_state import get_pp_group
+
+    return get_pp_group().rank == 0
+
+
+def request_state(runner: Any, request_id: str) -> Any:
+    """The runner's ``CachedRequestState`` for a request (prompt length, computed tokens)."""
+    return runner.requests.get(request_id)
+
+
+def engine_is_eager(vllm_config: Any) -> bool:
+    """Whether the model's forward runs as Python (so module hooks fire)."""
+    if vllm_config.model_config.enforce_eager:
+        return True
+    compilation = vllm_config.compilation_config
+    mode = getattr(compilation, "mode", None)
+    return int(getattr(mode, "value", mode) or 0) == 0 and not getattr(compilation, "cudagraph_mode", None)
