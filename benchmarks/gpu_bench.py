@@ -97,8 +97,7 @@ def steer(model, batch, tokens, vector) -> None:
         for ids in batch:
             with tracer.invoke(ids):
                 for _ in tracer.iter[:tokens]:
-                    hidden = layer.output[0]
-                    hidden[:] += vector.to(hidden.device, hidden.dtype)
+                    layer.output[0][:] += vector  # the seeds' loop: the vector is on the device
 
 
 def capture(model, batch, tokens) -> int:
@@ -153,11 +152,14 @@ def hidden_size(path: str) -> int:
 
 
 def unit_vector(path: str):
+    """A small steering vector, on the engine's device and in its dtype (as the
+    user docs build one), so a block adds it without a copy each step."""
     import torch
 
     torch.manual_seed(0)
     vector = torch.randn(hidden_size(path))
-    return 0.01 * vector / vector.norm()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return (0.01 * vector / vector.norm()).to(device, getattr(torch, ENGINE["dtype"]))
 
 
 def vllm_engine(name: str, path: str, repeats: int) -> None:

@@ -50,34 +50,13 @@ PARTS = (
 
 
 def build_model(folder: Path, layers: int) -> str:
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
+    """The test suite's tiny Qwen3, with ``layers`` layers (built once per folder)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.tiny_models import train_tokenizer
+    from tests.tiny_models import build_tiny_qwen3
 
     if (folder / "config.json").exists():
         return str(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(folder)
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.eos_token_id,
-    )
-    config.architectures = ["Qwen3ForCausalLM"]
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(config).save_pretrained(folder, safe_serialization=True)
-    return str(folder)
+    return build_tiny_qwen3(folder, layers=layers, max_positions=1024)
 
 
 def split(profile: cProfile.Profile, total: float) -> dict[str, float]:

@@ -17,6 +17,12 @@ from vllm_nnsight_plugin import seams
 from vllm_nnsight_plugin.versions import SUPPORTED_VLLM, UnsupportedVersion, check_vllm, vllm_version
 
 
+def assert_prints_ok(code: str) -> None:
+    """Run ``code`` in a fresh interpreter (plugins patch classes process-wide)."""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.stdout.strip().endswith("ok"), result.stderr[-2000:]
+
+
 def test_installed_vllm_is_supported():
     assert vllm_version().startswith(SUPPORTED_VLLM)
     with pytest.raises(UnsupportedVersion, match="supports vLLM"):
@@ -61,8 +67,7 @@ def test_the_declared_seams_are_exactly_the_wraps_made():
         "assert made == declared, (sorted(made - declared), sorted(declared - made))\n"
         "print('ok')\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert result.stdout.strip().endswith("ok"), result.stderr[-2000:]
+    assert_prints_ok(code)
 
 
 def test_the_seams_package_does_not_import_worker_code():
@@ -157,8 +162,7 @@ def test_register_is_cheap_and_idempotent():
         "assert getattr(e.LLMEngine.step, '_vllm_nnsight_wrapped', False)\n"
         "print('ok')\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert result.stdout.strip().endswith("ok"), result.stderr[-2000:]
+    assert_prints_ok(code)
 
 
 def test_entry_point_is_declared():

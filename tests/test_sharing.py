@@ -68,4 +68,6 @@ def test_many_requests_of_one_block_match_one_at_a_time(smol):
     for prompt, value in zip(prompts, together):
         with smol.trace(prompt, temperature=0.0, max_tokens=1):
             alone = smol.model.layers[7].output[0][-1].clone().save()
-        torch.testing.assert_close(value, alone, rtol=1e-4, atol=1e-4)
+        # batched and alone differ by GPU kernel choice (~3e-4 in fp32); another
+        # prompt's row would differ by far more
+        torch.testing.assert_close(value, alone, rtol=1e-3, atol=1e-3)

@@ -34,8 +34,8 @@ def train_tokenizer(folder: Path, vocab_size: int = 512):
     return fast
 
 
-def build_tiny_qwen3(folder: Path) -> str:
-    """A 3-layer Qwen3 (hidden 128, head_dim 64: the CPU kernels need >= 64)."""
+def build_tiny_qwen3(folder: Path, layers: int = 3, max_positions: int = 512) -> str:
+    """A small Qwen3 (hidden 128, head_dim 64: the CPU kernels need >= 64)."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -45,11 +45,11 @@ def build_tiny_qwen3(folder: Path) -> str:
         vocab_size=len(tokenizer),
         hidden_size=128,
         intermediate_size=256,
-        num_hidden_layers=3,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=64,
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=False,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
