@@ -145,3 +145,41 @@ def test_the_save_limit_counts_pooled_tensors_and_fails_only_that_request():
     back = travel_all({"big": big, "small": small}, Limits(max_save_bytes=2048))
     assert back["big"]["saves"] == {} and "SaveLimitError" in repr(back["big"]["error"])
     torch.testing.assert_close(back["small"]["saves"]["x"], torch.ones(4))
+
+
+class Holder:
+    """A user object that keeps a tensor (pickled by reference to this module)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+def test_a_tensor_referred_to_twice_stays_one_object_as_on_the_general_path():
+    rows = [torch.randn(1, 4) for _ in range(3)]
+    inner = torch.randn(5)
+    held = torch.randn(2)
+    entry = {
+        "saves": {
+            "rows": rows,
+            "last": rows[-1],
+            "a": inner,
+            "d": {"x": inner},
+            "h": Holder(held),
+            "t": held,
+        },
+        "error": None,
+        "sequences": {},
+    }
+    whole = torch.randn(2, 3)
+    entry["saves"]["whole"], entry["saves"]["flat"] = whole, whole.view(6)  # one storage
+    sharing = []
+    for back in (travel(entry)["saves"], general(entry)["saves"]):
+        sharing.append(
+            back["whole"].untyped_storage().data_ptr() == back["flat"].untyped_storage().data_ptr()
+        )
+        torch.testing.assert_close(back["flat"], whole.view(6), rtol=0, atol=0)
+        assert back["last"] is back["rows"][-1]
+        assert back["a"] is back["d"]["x"]
+        assert back["t"] is back["h"].tensor
+        torch.testing.assert_close(back["rows"][0], rows[0], rtol=0, atol=0)
+    assert sharing[0] == sharing[1]  # two views of one storage: as the general path sends them

@@ -23,6 +23,7 @@ Nothing here imports nnsight: the front end of a server runs this too.
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,12 +85,59 @@ def stack(value: list) -> Stacked:
     return Stacked(torch.cat(value, dim=0), tuple(int(element.shape[0]) for element in value))
 
 
-def stack_saves(saves: dict) -> dict:
-    """``saves`` with every stackable list replaced by its :class:`Stacked` form."""
-    return {name: stack(value) if stackable(value) else value for name, value in saves.items()}
+class _TensorCounter(pickle.Pickler):
+    """Counts each reference to a tensor while a structure is pickled (to a null
+    sink; tensors themselves are not written), wherever it sits: in lists and
+    dicts, or inside any object pickle would send."""
+
+    def __init__(self) -> None:
+        super().__init__(_Null(), pickle.HIGHEST_PROTOCOL)
+        self.counts: dict[int, int] = {}
+        self.storages: dict[int, set[int]] = {}
+
+    def persistent_id(self, obj: Any) -> Any:
+        import torch
+
+        if isinstance(obj, torch.Tensor):
+            self.counts[id(obj)] = self.counts.get(id(obj), 0) + 1
+            self.storages.setdefault(obj.untyped_storage().data_ptr(), set()).add(id(obj))
+            return id(obj)
+        return None
 
 
-def stack_entry(entry: dict) -> dict:
+class _Null:
+    def write(self, data: bytes) -> int:
+        return len(data)
+
+
+def shared_tensors(entry: dict) -> set[int] | None:
+    """Ids of the tensors an entry refers to more than once (the same tensor
+    under two names, or also inside another value) or that share a storage with
+    another saved tensor: the general path can keep those as one object or one
+    storage, and a stacked or pooled copy would not. None if the entry cannot be
+    read that way (it then travels as it is)."""
+    counter = _TensorCounter()
+    try:
+        counter.dump({"saves": entry.get("saves"), "sequences": entry.get("sequences")})
+    except Exception:
+        return None
+    shared = {found for found, count in counter.counts.items() if count > 1}
+    for tensors in counter.storages.values():
+        if len(tensors) > 1:  # views of one storage: a pickle may keep them sharing it
+            shared |= tensors
+    return shared
+
+
+def stack_saves(saves: dict, shared: set[int] = frozenset()) -> dict:
+    """``saves`` with every stackable list replaced by its :class:`Stacked` form
+    (not a list holding a tensor that is referred to elsewhere too)."""
+    return {
+        name: stack(value) if stackable(value) and not any(id(e) in shared for e in value) else value
+        for name, value in saves.items()
+    }
+
+
+def stack_entry(entry: dict, shared: set[int] = frozenset()) -> dict:
     """One request's reply (``saves`` and per-sequence ``sequences``), stacked.
 
     The flat ``saves`` are sequence 0's own dict in nnsight's reply; they stay
@@ -100,12 +148,12 @@ def stack_entry(entry: dict) -> dict:
     sequences = {}
     for index, sequence in (entry.get("sequences") or {}).items():
         saves = sequence.get("saves") or {}
-        sequences[index] = {**sequence, "saves": stack_saves(saves)}
+        sequences[index] = {**sequence, "saves": stack_saves(saves, shared)}
         if saves is flat:
             stacked["saves"] = sequences[index]["saves"]
     stacked["sequences"] = sequences
     if stacked.get("saves") is flat:
-        stacked["saves"] = stack_saves(flat)
+        stacked["saves"] = stack_saves(flat, shared)
     return stacked
 
 
@@ -165,9 +213,10 @@ class Pooler:
         self.id = secrets.token_hex(8)
         self.tensors: dict[int, Any] = {}
 
-    def swap(self, entry: dict) -> tuple[dict, dict[int, Any]]:
+    def swap(self, entry: dict, shared: set[int] = frozenset()) -> tuple[dict, dict[int, Any]]:
         """``entry`` with its poolable tensors replaced by :class:`Pooled`, and the
-        tensors it would add (index -> tensor), not yet added (see :meth:`add`)."""
+        tensors it would add (index -> tensor), not yet added (see :meth:`add`).
+        A tensor in ``shared`` (see :func:`shared_tensors`) stays as it is."""
         taken: dict[int, Any] = {}
         by_tensor: dict[int, Pooled] = {}
         by_dict: dict[int, dict] = {}
@@ -181,7 +230,7 @@ class Pooler:
             return found
 
         def swap_value(value: Any) -> Any:
-            if poolable(value):
+            if poolable(value) and id(value) not in shared:
                 return ref(value)
             if isinstance(value, Stacked) and poolable(value.data):
                 return Stacked(ref(value.data), value.lengths)

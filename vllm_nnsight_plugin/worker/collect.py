@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from ..returns.outputs import empty_entry
-from ..returns.stacked import Pooler, stack_entry
+from ..returns.stacked import Pooler, shared_tensors, stack_entry
 from ..wire.envelope import Limits
 from . import _nnsight as nns
 from .admit import RequestIndex
@@ -68,7 +68,8 @@ def pack(
     if compiled_miss is not None and nns.is_out_of_order(entry.get("error")):
         entry["error"] = nns.capture_exception(CompiledForwardError(compiled_miss))
     try:
-        swapped, taken = pooler.swap(stack_entry(entry))
+        shared = shared_tensors(entry)
+        swapped, taken = (entry, {}) if shared is None else pooler.swap(stack_entry(entry, shared), shared)
         part = nns.dumps_compact({request_id: swapped})
     except Exception as error:  # the block's state is already wound up
         unsent = UnsendableSaveError(
