@@ -11,7 +11,8 @@ prompts, median) and one profiled traced run, split by entry point (``PARTS``,
 cumulative milliseconds: the parts nest, so they do not add up), then the
 functions with the most time of their own.
 
-Jobs: ``sweep`` ``--sweep`` prompts x 1 token in one trace, each invoke keeping
+Jobs (the blocks of ``gpu_bench.py``; every call gets prompts no earlier call
+used): ``sweep`` ``--sweep`` prompts x 1 token in one trace, each invoke keeping
 layer L's last row; ``forward`` one prompt, one token, saving the logits
 (latency, median of 20); ``steer`` 64 x 16 adding a vector at layer L every
 step; ``capture`` 64 x 16 keeping layer L's output every step.
@@ -96,6 +97,9 @@ def main() -> None:
 
     from vllm_nnsight_plugin import VLLM
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import gpu_bench as blocks
+
     folder = Path(tempfile.gettempdir()) / f"vllm-nnsight-profile-qwen3-{args.layers}"
     llm = LLM(
         build_model(folder, args.layers),
@@ -108,47 +112,26 @@ def main() -> None:
         max_num_batched_tokens=8192,
     )
     model = VLLM(llm)
-    layer = model.model.layers[args.layer]
     torch.manual_seed(0)
     vector = torch.randn(128)
+    blocks.LAYER = args.layer
+    runs = iter(range(1_000_000))
 
-    def ids(n: int, length: int = 8) -> list[list[int]]:
-        return [[(7 * i + 13 * j) % 400 + 2 for j in range(length)] for i in range(n)]
+    def ids(n: int) -> list[list[int]]:
+        """``n`` prompts of 8 tokens that no earlier call used: a plain request
+        would otherwise be served from the prefix cache (a traced one never is)."""
+        run = next(runs)
+        return [[2 + run % 400, 2 + run // 400, 2 + i % 400, 2 + i // 400, 5, 6, 7, 8] for i in range(n)]
 
-    def plain(batch: list, tokens: int) -> None:
+    def plain(n: int, tokens: int) -> None:
         params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False)
-        llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids(n)], params, use_tqdm=False)
 
-    def sweep(batch: list) -> None:
-        with model.trace(temperature=0.0, max_tokens=1, detokenize=False) as tracer:
-            for prompt in batch:
-                with tracer.invoke(prompt):
-                    layer.output[0][-1].clone().save()
-
-    def forward(batch: list) -> None:
-        with model.trace(batch[0], temperature=0.0, max_tokens=1, detokenize=False):
-            model.logits.save()
-
-    def steer(batch: list, tokens: int = 16) -> None:
-        with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
-            for prompt in batch:
-                with tracer.invoke(prompt):
-                    for _ in tracer.iter[:tokens]:
-                        layer.output[0][:] += vector
-
-    def capture(batch: list, tokens: int = 16) -> None:
-        with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
-            for prompt in batch:
-                with tracer.invoke(prompt):
-                    rows = list().save()
-                    for _ in tracer.iter[:tokens]:
-                        rows.append(layer.output[0].clone())
-
-    jobs = {
-        "sweep": (lambda: sweep(ids(args.sweep)), lambda: plain(ids(args.sweep), 1)),
-        "forward": (lambda: forward(ids(1)), lambda: plain(ids(1), 1)),
-        "steer": (lambda: steer(ids(64)), lambda: plain(ids(64), 16)),
-        "capture": (lambda: capture(ids(64)), lambda: plain(ids(64), 16)),
+    jobs = {  # (traced, plain); the blocks are the GPU benchmark's own
+        "sweep": (lambda: blocks.sweep(model, ids(args.sweep)), lambda: plain(args.sweep, 1)),
+        "forward": (lambda: blocks.trace1(model, ids(1)[0]), lambda: plain(1, 1)),
+        "steer": (lambda: blocks.steer(model, ids(64), 16, vector), lambda: plain(64, 16)),
+        "capture": (lambda: blocks.capture(model, ids(64), 16), lambda: plain(64, 16)),
     }
     for name in args.jobs.split(","):
         traced, untraced = jobs[name]
