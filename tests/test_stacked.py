@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import pickle
 
 import torch
@@ -122,8 +123,16 @@ def test_one_collect_sends_its_tensors_in_one_pool():
         for got, want in zip(back[rid]["saves"]["steps"], steps[rid]):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
         assert back[rid]["saves"]["n"] == i
-    storages = {back[rid]["saves"]["last"].untyped_storage().data_ptr() for rid in rows}
-    assert len(storages) == 1  # every row is a view of one flat tensor
+    # Each request's tensors are views of a copy of its own part of the pool: one
+    # storage per request, holding that request's bytes and no other's.
+    for rid in rows:
+        saves = back[rid]["saves"]
+        storage = saves["last"].untyped_storage()
+        assert all(s.untyped_storage().data_ptr() == storage.data_ptr() for s in saves["steps"])
+        assert storage.nbytes() == (64 + 3 * 8) * 4
+    buffer = io.BytesIO()
+    torch.save(back["r0"]["saves"], buffer)  # what a server puts in one response
+    assert len(buffer.getvalue()) < 4_000  # one request's 352 bytes of tensors, not fifty
 
 
 def test_a_tensor_saved_twice_stays_one_tensor_and_dtypes_pool_apart():

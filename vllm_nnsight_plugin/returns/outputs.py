@@ -45,12 +45,13 @@ def merge_replies(replies: list) -> dict:
     from .stacked import Pool, Resolver
 
     loaded = [pickle.loads(part) for reply in replies or () if reply is not None for part in reply]
-    resolve = Resolver({part.id: part for part in loaded if isinstance(part, Pool)})
+    pools = {part.id: part for part in loaded if isinstance(part, Pool)}
     merged: dict[str, dict] = {}
     for part in loaded:
         if isinstance(part, Pool):
             continue
         for request_id, entry in part.items():
+            resolve = Resolver(pools, entry)  # the request's tensors, in storage of its own
             into = merged.setdefault(request_id, empty_entry())
             for name, value in (entry.get("saves") or {}).items():
                 if name not in into["saves"]:

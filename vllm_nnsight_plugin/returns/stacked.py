@@ -18,6 +18,10 @@ same shape past the first dimension, none sharing storage with another (a
 pickled list keeps such sharing; a stacked one could not). Anything else, a
 ragged list or one holding Python objects, travels as it always did.
 
+The tensors of all requests collected together then travel in one flat tensor
+per dtype and device (:class:`Pool`); the front end gives each request a copy
+of its own part, so no request's saves share storage with another's.
+
 Nothing here imports nnsight: the front end of a server runs this too.
 """
 
@@ -180,12 +184,38 @@ class Pool:
     #: index -> (which flat, offset, shape)
     places: dict[int, tuple[int, int, tuple[int, ...]]]
 
-    def view(self, index: int) -> Any:
+    def _span(self, index: int) -> tuple[int, int, int, tuple[int, ...]]:
         flat, offset, shape = self.places[index]
         numel = 1
         for size in shape:
             numel *= size
-        return self.flats[flat][offset : offset + numel].view(shape)
+        return flat, offset, offset + numel, shape
+
+    def own_views(self, indices: set[int]) -> dict[int, Any]:
+        """The tensors at ``indices`` (one request's), as views of a copy of just
+        their part of each flat tensor.
+
+        One request's tensors sit side by side in each flat tensor, so this is one
+        copy per dtype and device. A view of the shared flat tensor would keep
+        every other request's tensors alive with it, and ``torch.save`` of it (a
+        server's response) would write all of them.
+        """
+        spans = {index: self._span(index) for index in indices}
+        bounds: dict[int, tuple[int, int]] = {}
+        covered: dict[int, int] = {}
+        for flat, start, end, _ in spans.values():
+            low, high = bounds.get(flat, (start, end))
+            bounds[flat] = (min(low, start), max(high, end))
+            covered[flat] = covered.get(flat, 0) + end - start
+        if any(high - low != covered[flat] for flat, (low, high) in bounds.items()):
+            # Not side by side (never made so by ``Pooler``): copy one by one
+            # rather than hand out anyone else's values.
+            return {i: self.flats[f][a:b].clone().view(shape) for i, (f, a, b, shape) in spans.items()}
+        owned = {flat: self.flats[flat][low:high].clone() for flat, (low, high) in bounds.items()}
+        return {
+            index: owned[flat][start - bounds[flat][0] : end - bounds[flat][0]].view(shape)
+            for index, (flat, start, end, shape) in spans.items()
+        }
 
 
 def poolable(value: Any) -> bool:
@@ -273,12 +303,22 @@ class Pooler:
 
 
 class Resolver:
-    """The front end's side: :class:`Pooled` and :class:`Stacked` values back to
-    tensors and lists, once each, so a value that came home under two keys (flat
-    and sequence 0, or two names) stays one object."""
+    """The front end's side, for one request: :class:`Pooled` and :class:`Stacked`
+    values back to tensors and lists, once each, so a value that came home under
+    two keys (flat and sequence 0, or two names) stays one object. The request's
+    pooled tensors become views of a copy of its own part of the pool."""
 
-    def __init__(self, pools: dict[str, Pool]) -> None:
-        self.pools = pools
+    def __init__(self, pools: dict[str, Pool], entry: dict) -> None:
+        wanted: dict[str, set[int]] = {}
+        for value in _values(entry):
+            ref = value.data if isinstance(value, Stacked) else value
+            if isinstance(ref, Pooled):
+                wanted.setdefault(ref.pool, set()).add(ref.index)
+        self.tensors = {
+            (pool, index): tensor
+            for pool, indices in wanted.items()
+            for index, tensor in pools[pool].own_views(indices).items()
+        }
         self._done: dict[int, tuple[Any, Any]] = {}
 
     def __call__(self, value: Any) -> Any:
@@ -287,9 +327,17 @@ class Resolver:
         kept = self._done.get(id(value))
         if kept is None:
             if isinstance(value, Pooled):
-                resolved = self.pools[value.pool].view(value.index)
+                resolved = self.tensors[(value.pool, value.index)]
             else:
                 data = self(value.data)
                 resolved = Stacked(data, value.lengths).unstack()
             kept = self._done[id(value)] = (value, resolved)
         return kept[1]
+
+
+def _values(entry: dict) -> list:
+    """Every saved value of one reply entry, flat and per sequence."""
+    found = list((entry.get("saves") or {}).values())
+    for sequence in (entry.get("sequences") or {}).values():
+        found.extend((sequence.get("saves") or {}).values())
+    return found
