@@ -27,6 +27,7 @@ Nothing here imports nnsight: the front end of a server runs this too.
 
 from __future__ import annotations
 
+import math
 import pickle
 from dataclasses import dataclass
 from typing import Any
@@ -120,6 +121,8 @@ def shared_tensors(entry: dict) -> set[int] | None:
     another saved tensor: the general path can keep those as one object or one
     storage, and a stacked or pooled copy would not. None if the entry cannot be
     read that way (it then travels as it is)."""
+    if not any(poolable(value) or stackable(value) for value in _values(entry)):
+        return set()  # nothing would be stacked or pooled: no need to look
     counter = _TensorCounter()
     try:
         counter.dump({"saves": entry.get("saves"), "sequences": entry.get("sequences")})
@@ -186,10 +189,7 @@ class Pool:
 
     def _span(self, index: int) -> tuple[int, int, int, tuple[int, ...]]:
         flat, offset, shape = self.places[index]
-        numel = 1
-        for size in shape:
-            numel *= size
-        return flat, offset, offset + numel, shape
+        return flat, offset, offset + math.prod(shape), shape
 
     def own_views(self, indices: set[int]) -> dict[int, Any]:
         """The tensors at ``indices`` (one request's), as views of a copy of just

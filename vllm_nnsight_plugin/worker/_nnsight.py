@@ -13,7 +13,7 @@ Two pieces replace nnsight's own where the profile says they are the cost:
 - :func:`load_block` compiles a block's source once per distinct source (nnsight
   compiles it again for every request, and registers a new ``linecache`` entry
   each time, which is never freed);
-- :func:`collect_entries` winds up all the requests of one collect in one pass
+- :func:`collect_entries` winds up a finished request from just its own entries
   (nnsight's ``collect_nnsight`` walks every tracked request per call and syncs
   the device once per call: quadratic, and one sync per request, when a thousand
   requests finish together).
@@ -218,54 +218,53 @@ def is_out_of_order(error: Any) -> bool:
 
 # ---------------------------------------------------------------------- collect
 def collect_entries(
-    requests: Any, model: Any, wanted: dict[str, list[str]], outputs: dict | None, reporting: bool
+    requests: Any, model: Any, asked: str, answering: list[str], outputs: dict | None, reporting: bool
 ) -> dict[str, dict]:
-    """Wind up the named finished requests' blocks and return their replies.
+    """Wind up one finished request's blocks and return its reply.
 
-    ``wanted`` maps each id the front end asked about to the engine's request ids
-    that answer to it (a request, or the sequences of an ``n > 1`` request). The
-    reply per asked id is nnsight's: ``saves``, ``error``, ``registered`` and
-    per-sequence ``sequences``, as ``NNsightGPUModelRunner.collect_nnsight`` builds
-    it, for all of them in one pass over just these requests.
+    ``asked`` is the id the front end asked about; ``answering`` the engine's
+    request ids that answer to it (the request, or the sequences of an ``n > 1``
+    request). The reply is nnsight's: ``saves``, ``error``, ``registered`` and
+    per-sequence ``sequences``, as ``NNsightGPUModelRunner.collect_nnsight``
+    builds it, from just these requests rather than a walk over all of them.
     """
-    asked = set(wanted)
+    names = {asked}
     if requests.templates:  # registered blocks: shelve what they kept
-        requests.harvest(asked)
+        requests.harvest(names)
     taps = getattr(model.interleaver, "taps", frozenset())
     saved = _saves()
     collected: dict[str, dict] = {}
-    for request_ids in wanted.values():
-        for request_id in request_ids:
-            request = requests.requests.get(request_id)
-            if request is None or not request.named(asked):
-                continue
-            engine_id, index = request.key(asked)
-            entry = collected.setdefault(
-                engine_id, {"saves": {}, "error": None, "registered": {}, "sequences": {}}
-            )
-            sequence = entry["sequences"].setdefault(index, {"saves": {}, "registered": {}})
-            for taken in request.harvested.values():
-                sequence["registered"].update(taken["saves"])
-                if entry["error"] is None:
-                    entry["error"] = taken["error"]
-            request.harvested = {}
-            mediator = request.mediator
-            if mediator is not None:
-                if outputs and engine_id in outputs:
-                    output = outputs[engine_id]
-                    if sequence["registered"]:
-                        output.saves = dict(sequence["registered"])
-                    requests.serve_result(mediator, output)  # a block parked on tracer.result
-                requests.finish_dangling(mediator, taps)
-                values = request.saves()
-                if reporting:
-                    sequence["saves"] = values
-                for value in values.values():
-                    saved.discard(id(value))
-            if reporting and entry["error"] is None:
-                entry["error"] = request.deferred()
-            if not request.copies:
-                requests.requests.pop(request.id, None)
+    for request_id in answering:
+        request = requests.requests.get(request_id)
+        if request is None or not request.named(names):
+            continue
+        engine_id, index = request.key(names)
+        entry = collected.setdefault(
+            engine_id, {"saves": {}, "error": None, "registered": {}, "sequences": {}}
+        )
+        sequence = entry["sequences"].setdefault(index, {"saves": {}, "registered": {}})
+        for taken in request.harvested.values():
+            sequence["registered"].update(taken["saves"])
+            if entry["error"] is None:
+                entry["error"] = taken["error"]
+        request.harvested = {}
+        mediator = request.mediator
+        if mediator is not None:
+            if outputs and engine_id in outputs:
+                output = outputs[engine_id]
+                if sequence["registered"]:
+                    output.saves = dict(sequence["registered"])
+                requests.serve_result(mediator, output)  # a block parked on tracer.result
+            requests.finish_dangling(mediator, taps)
+            values = request.saves()
+            if reporting:
+                sequence["saves"] = values
+            for value in values.values():
+                saved.discard(id(value))
+        if reporting and entry["error"] is None:
+            entry["error"] = request.deferred()
+        if not request.copies:
+            requests.requests.pop(request.id, None)
     for entry in collected.values():
         primary = entry["sequences"].get(0)
         if primary is not None:

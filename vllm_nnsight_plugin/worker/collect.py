@@ -43,7 +43,7 @@ def wind_up(
     for request_id in request_ids:
         answering = index.answering(request_id)
         try:
-            entries.update(nns.collect_entries(requests, model, {request_id: answering}, outputs, reporting))
+            entries.update(nns.collect_entries(requests, model, request_id, answering, outputs, reporting))
         except Exception as error:
             for internal in answering:
                 requests.requests.pop(internal, None)
