@@ -16,12 +16,14 @@ Engines (MODEL_DIR holds a config and tokenizer; weights are ``load_format="dumm
 - ``nnsight``     nnsight 0.8.1's own vLLM integration (eager; plugin off)
 - ``hf``          nnsight on HF transformers (``LanguageModel``), the usual baseline
 - ``profile``     the plugin, eager, engine and worker in one process under cProfile
+- ``profile-graphs`` the same on the graphed engine (one-token traces beside plain
+                  calls, the lens, the sweep)
 
 ``GPU_BENCH_REAL=1`` loads real weights (e.g. SmolLM2) instead of dummy ones;
 ``GPU_BENCH_SMALL=1`` shrinks everything for a dry run of the script on a CPU.
 
 Jobs: ``plain`` 64 prompts x 128 tokens (repeated), ``plain1000`` 1,000 x 128,
-``forward`` one 32-token prompt, one token (latency), ``plain_sweep`` 1,024 prompts
+``forward`` one fresh 32-token prompt, one token (latency), ``plain_sweep`` 1,024 prompts
 x 1 token, ``sweep`` the same in one trace, each invoke keeping one layer's last
 row (how activations are extracted for probes and SAEs), ``trace1`` one prompt,
 one token, saving the logits (latency), ``steer`` add a vector to one layer's
@@ -33,6 +35,7 @@ layer for one prompt, one batched unembed (latency).
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import statistics
@@ -181,7 +184,9 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
     if kind == "graphs":
         result(engine=name, job="plain1000", tok_s=round(MANY * TOKENS / plain(many), 1))
     one = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
-    walls = [timed(lambda: llm.generate(few[:1], one, use_tqdm=False)) for _ in range(12)]
+    # Fresh prompts: a traced request never reads the prefix cache, so its plain
+    # counterpart must not either.
+    walls = [timed(lambda p=p: llm.generate([p], one, use_tqdm=False)) for p in fresh_prompts(12, 30)]
     result(engine=name, job="forward", ms=round(1000 * statistics.median(walls[2:]), 2))
     batches = [fresh_prompts(SWEEP, run) for run in range(3)]
     walls = [timed(functools.partial(llm.generate, batch, one, use_tqdm=False)) for batch in batches]
@@ -239,36 +244,47 @@ def nnsight_engine(path: str) -> None:
     result(engine="nnsight", job="sweep", ms=round(1000 * statistics.median(walls), 1))
 
 
-def profile_engine(path: str) -> None:
+def profile_engine(path: str, graphs: bool = False) -> None:
     """Where a traced request's time goes: cProfile over engine and worker in one
-    process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), eager: the sweep, a one-token
-    trace, and 64 steered requests x 32 tokens, each split by entry point
-    (``profile_cpu.PARTS``) and by the functions with the most time of their own."""
+    process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), each job split by entry point
+    (``profile_cpu.PARTS``) and by the functions with the most time of their own.
+    Eager (``profile``): the sweep, ten one-token traces, and 64 steered requests
+    x 32 tokens. Graphed (``profile-graphs``): the sweep, ten one-token traces and
+    ten plain one-token calls beside them, and ten logit lenses."""
     import cProfile
 
-    from vllm import LLM
+    from vllm import LLM, SamplingParams
 
     from vllm_nnsight_plugin import VLLM
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from profile_cpu import split, top
 
-    llm = LLM(path, enforce_eager=True, **ENGINE)
+    name = "profile-graphs" if graphs else "profile"
+    llm = LLM(path, enforce_eager=not graphs, **ENGINE)
     model = VLLM(llm)
     vector, few, swept = unit_vector(path), prompts(CONCURRENT), fresh_prompts(SWEEP, 20)
     steer(model, few[:4], 8, vector)
+    one = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+    runs = itertools.count(40)
     jobs = {
         "sweep": lambda: sweep(model, swept),
         "trace1": lambda: [trace1(model, few[0]) for _ in range(10)],
-        "steer": lambda: steer(model, few, 32, vector),
     }
+    if graphs:
+        jobs["plain1"] = lambda: [
+            llm.generate([p], one, use_tqdm=False) for p in fresh_prompts(10, next(runs))
+        ]
+        jobs["lens"] = lambda: [lens(model, few[0]) for _ in range(10)]
+    else:
+        jobs["steer"] = lambda: steer(model, few, 32, vector)
     for job, fn in jobs.items():
         fn()
         profiler = cProfile.Profile()
         wall = timed(lambda: profiler.runcall(fn))  # noqa: B023
-        result(engine="profile", job=job, s=round(wall, 3), split_ms=split(profiler, wall))
+        result(engine=name, job=job, s=round(wall, 3), split_ms=split(profiler, wall))
         for row in top(profiler, 30):
-            result(engine="profile", job=f"{job}-top", row=row)
+            result(engine=name, job=f"{job}-top", row=row)
 
 
 def hf_engine(path: str) -> None:
@@ -314,7 +330,7 @@ def run(out: Path, path: str, engines: list[str], repeats: int) -> None:
     sink = (out / "results.jsonl").open("a")
     for name in engines:
         env = dict(os.environ)
-        if name == "profile":
+        if name.startswith("profile"):
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         elif not name.startswith("on-"):
             env["VLLM_PLUGINS"] = ""  # load no vLLM plugin in this process
@@ -337,7 +353,7 @@ def table(*paths: Path) -> str:
     by: dict[tuple[str, str], list[float]] = {}
     for row in rows:
         value = row.get("tok_s", row.get("ms"))
-        if value is not None and row["engine"] != "profile":
+        if value is not None and not row["engine"].startswith("profile"):
             by.setdefault((row["engine"], row["job"]), []).append(value)
     median = {key: statistics.median(values) for key, values in by.items()}
     base = median.get(("off-graphs", "plain"))
@@ -374,8 +390,8 @@ if __name__ == "__main__":
         name, path, repeats = sys.argv[2], sys.argv[3], int(sys.argv[4])
         if name == "nnsight":
             nnsight_engine(path)
-        elif name == "profile":
-            profile_engine(path)
+        elif name in ("profile", "profile-graphs"):
+            profile_engine(path, graphs=name == "profile-graphs")
         elif name == "hf":
             hf_engine(path)
         else:

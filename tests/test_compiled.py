@@ -68,6 +68,34 @@ def test_only_steps_with_a_running_block_leave_the_compiled_path(compiled):
     assert uncompiled_steps(compiled) - before == 1
 
 
+def sampler_only(model, steps=4):
+    """Reads and writes logits and samples only: served beside the compiled forward."""
+    with model.trace(PROMPT, temperature=0.0, max_tokens=steps) as tracer:
+        logits, tokens = list().save(), list().save()
+        for step in tracer.iter[:steps]:
+            logits.append(model.logits.clone())
+            if step == 1:
+                model.samples[:] = 11  # force the second token
+            tokens.append(model.samples.item())
+        out = tracer.result.save()
+    return logits, tokens, list(out.outputs[0].token_ids)
+
+
+def test_a_block_on_logits_and_samples_only_keeps_every_step_compiled(compiled, smol):
+    before = uncompiled_steps(compiled)
+    logits, tokens, generated = sampler_only(VLLM(compiled))
+    assert uncompiled_steps(compiled) == before  # no step left the compiled path
+    want_logits, want_tokens, want_generated = sampler_only(smol)
+    assert tokens == want_tokens == generated == want_generated and tokens[1] == 11
+    for got, want in zip(logits, want_logits):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_python_step_runs_the_kernels_an_eager_engine_runs(compiled):
+    (stats,) = compiled.collective_rpc("nnsight_stats")
+    assert stats["eager_kernels"] > 0  # CustomOps switched for Python steps, then back
+
+
 @pytest.fixture(scope="module")
 def compiled_no_fallback(smollm2_path, compiled):
     stop_llm(compiled)  # one engine at a time on two cores

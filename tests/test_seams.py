@@ -150,6 +150,43 @@ def test_the_switches_a_python_step_on_a_compiled_engine_relies_on():
     assert "use_v2_model_runner" in inspect.getsource(VllmConfig)
 
 
+def test_a_python_step_switches_custom_ops_to_the_eager_kernels_and_back():
+    """``seams/kernels.py``: under torch.compile each CustomOp keeps forward_native;
+    a Python step points it at the platform's own kernel, and puts it back."""
+    import torch
+    from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.custom_op import CustomOp
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    assert "self._forward_method(" in inspect.getsource(CustomOp.forward)
+    assert "self._forward_method = " in inspect.getsource(CustomOp.__init__)
+    config = VllmConfig(compilation_config=CompilationConfig(mode=3, custom_ops=["none", "-rms_norm"]))
+    with set_current_vllm_config(config):
+        module = torch.nn.Sequential(SiluAndMul(), RMSNorm(64))
+    act, norm = module
+    compiled, kept = act._forward_method, norm._forward_method  # forward_native, or it compiled
+    assert getattr(compiled, "__func__", None) is not SiluAndMul.forward_cpu
+    kernels = seams.eager_kernels(module, config)
+    assert kernels is not None and [op for op, _, _ in kernels.switches] == [act]  # -rms_norm kept
+    x = torch.randn(3, 128)
+    want = act.forward_native(x)
+    kernels.use()
+    assert act._forward_method.__func__ is SiluAndMul.forward_cpu
+    torch.testing.assert_close(act(x), want)
+    kernels.restore()
+    kernels.restore()  # idempotent
+    assert act._forward_method is compiled and norm._forward_method is kept
+    # vLLM releases that route RMSNorm through vllm.ir keep a registry and a scoped priority.
+    try:
+        from vllm.ir.op import IrOp
+    except ImportError:
+        return
+    assert IrOp.registry and all(
+        hasattr(op, "set_priority") and hasattr(op, "impls") for op in IrOp.registry.values()
+    )
+
+
 def test_register_is_cheap_and_idempotent():
     code = (
         "import sys, vllm\n"

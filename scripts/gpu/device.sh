@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# GPU side, from the repository root (scripts/gpu/README.md). Two modes:
+# GPU side, from the repository root (scripts/gpu/README.md). Three modes:
 #   stash   keep the carried kit chunk / GGUF pieces in /tmp (one warm machine)
 #   setup   install the vLLM kit, the wheels, the plugin's entry point, and
 #           convert SmolLM2; then `. /tmp/site/plugin_env.sh` before python3
+#   bench   the same without SmolLM2 (enough for benchmarks/gpu_bench.py on
+#           the dummy Qwen3-8B: no GGUF pieces needed)
 set -euo pipefail
 K=$PWD/.vllmkit
 STASH=/tmp/gpukit
@@ -17,13 +19,15 @@ echo "gguf pieces: $(cd "$STASH" && ls smollm2.gguf.[0-9][0-9] 2>/dev/null | tr 
 
 bash "$K/install_vllm_kit.sh"
 . /tmp/site/vllmkit_env.sh
-cat "$STASH"/smollm2.gguf.[0-9][0-9] > "$STASH/SmolLM2-135M-Instruct.Q4_1.gguf"
-(cd "$STASH" && sed 's/smollm2.gguf$/SmolLM2-135M-Instruct.Q4_1.gguf/' smollm2.gguf.sha256 | sha256sum -c --quiet)
-python3 - "$K/wheels" <<'PY'
+if [ "$1" = setup ]; then
+  cat "$STASH"/smollm2.gguf.[0-9][0-9] > "$STASH/SmolLM2-135M-Instruct.Q4_1.gguf"
+  (cd "$STASH" && sed 's/smollm2.gguf$/SmolLM2-135M-Instruct.Q4_1.gguf/' smollm2.gguf.sha256 | sha256sum -c --quiet)
+  python3 - "$K/wheels" <<'PY'
 import glob, sys, zipfile
 for wheel in glob.glob(sys.argv[1] + "/*.whl"):
     zipfile.ZipFile(wheel).extractall("/tmp/site")
 PY
+fi
 D=/tmp/site/vllm_nnsight_plugin-0.1.0.dist-info
 mkdir -p "$D"
 printf 'Metadata-Version: 2.1\nName: vllm-nnsight-plugin\nVersion: 0.1.0\n' > "$D/METADATA"
@@ -35,5 +39,9 @@ export VLLM_NNSIGHT_CACHE=/tmp/nncache
 export VLLM_NNSIGHT_SMOLLM2_GGUF=$STASH/SmolLM2-135M-Instruct.Q4_1.gguf
 ENV
 . /tmp/site/plugin_env.sh
+if [ "$1" = bench ]; then
+  python3 -c "import vllm; print('GPU BENCH SETUP OK vllm', vllm.__version__)"
+  exit 0
+fi
 python3 -m vllm_nnsight_plugin.models.smollm2
 python3 -c "import pytest, gguf; print('GPU SETUP OK pytest', pytest.__version__)"

@@ -57,6 +57,9 @@ Worker (each process that runs the model; ``worker.py``):
   hands the step's ``SchedulerOutput`` to the runtime.
 - ``GPUModelRunner._determine_batch_execution_and_padding``: a step in which a
   block may run is dispatched without a CUDA graph (``force_eager``).
+- ``kernels.py``: for a Python step on a compiled engine, each ``CustomOp``'s
+  dispatch (``_forward_method``) and the ``vllm.ir`` op priorities are pointed
+  at the kernels an eager engine runs, and put back when the forward returns.
 - Reads, each a small function in ``worker.py``: the scheduler output's new,
   scheduled and finished requests; the runner's model, sampler, tokenizer,
   persistent batch (``StepLayout``) and per-request state; the sampler output's
@@ -214,7 +217,7 @@ SEAMS: tuple[Seam, ...] = (
 )
 
 # The process files use the pieces above, so they load after them.
-from . import engine, frontend, worker  # noqa: E402
+from . import engine, frontend, kernels, worker  # noqa: E402
 from .engine import _Unchunked as _Unchunked  # noqa: E402
 from .engine import patch_scheduler  # noqa: E402
 from .frontend import _V2_RUNNER as _V2_RUNNER  # noqa: E402
@@ -232,6 +235,7 @@ from .frontend import (  # noqa: E402
     patch_openai_completion,
     runs_v2_runner,
 )
+from .kernels import EagerKernels, eager_kernels  # noqa: E402
 from .worker import (  # noqa: E402
     GRAPH_MODES,
     UNCOMPILED_STEP,
@@ -273,6 +277,7 @@ __all__ = [
     "COMPOSED_PREFIX",
     "ENGINE_CORE",
     "EXTENSION",
+    "EagerKernels",
     "FRONT_END",
     "GRAPH_MODES",
     "INSTALLERS",
@@ -284,6 +289,7 @@ __all__ = [
     "carries_block",
     "composed_name",
     "composed_user",
+    "eager_kernels",
     "engine",
     "engine_is_eager",
     "eos_token_id",
@@ -291,6 +297,7 @@ __all__ = [
     "finished_ids",
     "frontend",
     "graph_mode_counts",
+    "kernels",
     "logger",
     "mark_uncompiled_step",
     "model_of",

@@ -31,6 +31,7 @@ from typing import Any
 from nnsight.intervention.errors import capture_exception
 from nnsight.intervention.interleaver import Mediator
 from nnsight.intervention.serialization import CustomCloudUnpickler
+from nnsight.intervention.tracer import InterleavingTracer
 from nnsight.modeling.vllm.collect import dumps_compact
 from nnsight.modeling.vllm.fragments import VLLMFragments
 from nnsight.modeling.vllm.interleaver import VLLMInterleaver
@@ -40,8 +41,11 @@ from nnsight.tracing.tracer import _local, _saves, inc
 
 __all__ = [
     "TOUCHES",
+    "InterleavingTracer",
     "Mediator",
     "Request",
+    "block_scope",
+    "block_source",
     "build_model",
     "capture_exception",
     "collect_entries",
@@ -66,6 +70,10 @@ TOUCHES: tuple[tuple[str, str], ...] = (
     ("nnsight.intervention.interleaver", "Interleaver.__enter__"),
     ("nnsight.intervention.interleaver", "Interleaver.__exit__"),
     ("nnsight.intervention.serialization", "CustomCloudUnpickler.find_class"),
+    ("nnsight.intervention.tracer", "InterleavingTracer.iter"),
+    ("nnsight.intervention.tracer", "InterleavingTracer.all"),
+    ("nnsight.intervention.tracer", "InterleavingTracer.stop"),
+    ("nnsight.intervention.tracer", "InterleavingTracer.result"),
     ("nnsight.intervention.serialization", "CustomCloudUnpickler.persistent_load"),
     ("nnsight.modeling.vllm.collect", "dumps_compact"),
     ("nnsight.modeling.vllm.batching", "VLLMBatcher._widen_tensor"),
@@ -93,7 +101,7 @@ TOUCHES: tuple[tuple[str, str], ...] = (
 #: written here (instance state, so :data:`TOUCHES` cannot resolve them on the
 #: class); the same test builds one of each and checks them.
 INSTANCE_TOUCHES: dict[str, tuple[str, ...]] = {
-    "Mediator": ("pending", "worker", "exception", "batch_group", "caches", "presaved", "lcls"),
+    "Mediator": ("pending", "worker", "exception", "batch_group", "caches", "presaved", "lcls", "glbls"),
     "Request": ("id", "mediator", "copies", "harvested", "error"),
     "Requests": ("requests", "templates"),
 }
@@ -156,6 +164,7 @@ class _SharedCodeMediator(Mediator):
         source, glbls, lcls = state["reduced"]
         self.__init__(_compiled(source), glbls, lcls, copy=state["copy"])
         self.presaved = state["presaved"]
+        self.source = source
 
 
 class _BlockUnpickler(CustomCloudUnpickler):
@@ -171,6 +180,16 @@ def load_block(data: bytes, persistent: dict) -> Any:
     if not isinstance(block, Mediator):
         raise TypeError(f"the payload is a {type(block).__name__}, not an nnsight block")
     return block
+
+
+def block_source(mediator: Any) -> str | None:
+    """The source a block was loaded from (None for one nnsight loaded itself)."""
+    return getattr(mediator, "source", None)
+
+
+def block_scope(mediator: Any) -> dict[str, Any]:
+    """The values a block captured, by the names its source uses for them."""
+    return {**(mediator.glbls or {}), **(mediator.lcls or {})}
 
 
 def open_save_scope() -> None:

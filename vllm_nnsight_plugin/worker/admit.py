@@ -13,6 +13,7 @@ from ..versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT
 from ..wire.envelope import EXTRA_ARGS_KEY, EnvelopeError, Limits, open_envelope
 from ..wire.trust import LOCAL_SIGNATURE_KEY, UntrustedBlockError, check_local
 from . import _nnsight as nns
+from .reach import needs_forward
 
 
 class RequestIndex:
@@ -50,8 +51,15 @@ class RequestIndex:
         return len(self._spellings)
 
 
-def admit(requests: Any, index: RequestIndex, data: Any, persistent: dict, limits: Limits) -> None:
-    """Take the block off one new request (``NewRequestData``) into ``requests``."""
+def admit(
+    requests: Any, index: RequestIndex, data: Any, persistent: dict, limits: Limits, model: Any
+) -> None:
+    """Take the block off one new request (``NewRequestData``) into ``requests``.
+
+    The block's mediator is marked with whether it may ask for a module location
+    (``needs_forward``, see ``reach.py``): on a compiled engine only those blocks
+    take a step off its compiled, graphed path.
+    """
     params = data.sampling_params
     request = requests.requests[data.req_id] = nns.Request(data.req_id)
     index.add(request)
@@ -63,7 +71,11 @@ def admit(requests: Any, index: RequestIndex, data: Any, persistent: dict, limit
             plugin_version=PLUGIN_VERSION,
             limits=limits,
         )
-        request.mediator = nns.load_block(envelope.block_bytes(), persistent)
+        mediator = nns.load_block(envelope.block_bytes(), persistent)
+        mediator.needs_forward = needs_forward(
+            nns.block_source(mediator), nns.block_scope(mediator), model, nns.InterleavingTracer
+        )
+        request.mediator = mediator
     except (EnvelopeError, UntrustedBlockError) as error:
         request.error = nns.capture_exception(error)
     except Exception as error:  # a payload nnsight cannot load

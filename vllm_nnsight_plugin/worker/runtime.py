@@ -15,8 +15,10 @@ Finished requests are wound up and their saves packed by ``collect.py``.
 
 Module hooks fire only where the forward runs as Python. On an engine that
 compiles its forward (torch.compile, CUDA graphs), a step in which some block
-may run is dispatched without a CUDA graph and with the compiled module bypassed;
-every other step keeps vLLM's compiled, graphed path.
+may ask for a module location is dispatched without a CUDA graph, with the
+compiled module bypassed and vLLM's eager kernels switched in
+(``seams/kernels.py``); every other step, including one whose blocks only read
+or write logits and samples (``reach.py``), keeps vLLM's compiled, graphed path.
 
 The nnsight tree over the live model is built only when the first request with
 a block arrives, so an engine that never sees one is never instrumented (and
@@ -65,6 +67,7 @@ class WorkerRuntime:
         # engine's CUDA graphs and compiled code.
         self.eager_steps = os.environ.get(_EAGER_STEPS_ENV, "1").strip().lower() not in _FALSY
         self.python_steps = 0
+        self.kernels: Any = None  # the eager kernels for a compiled engine's Python steps
         self.step: Step | None = None
         self.uncollected = Uncollected(float(os.environ.get(_UNCOLLECTED_ENV) or 30.0))
 
@@ -83,6 +86,8 @@ class WorkerRuntime:
         self.requests = nns.new_requests()
         self.index = RequestIndex()
         self.persistent = {**nns.persistent_objects(self.model), **envoy_references(self.model)}
+        if not self.eager:
+            self.kernels = seams.eager_kernels(module, runner.vllm_config)
         module.register_forward_pre_hook(self._on_forward)
         sampler = seams.sampler_of(runner)
         sampler.register_forward_pre_hook(self._on_logits, with_kwargs=True)
@@ -98,6 +103,8 @@ class WorkerRuntime:
         """Called by the runner before each real step (see ``seams``)."""
         if self.step is not None and self.step.open:  # its sampler never ran
             self.abandon_step()
+        if self.kernels is not None:
+            self.kernels.restore()
         if self.requests is not None and self.requests.requests:
             stale = self.uncollected.step(seams.finished_ids(scheduler_output), self.requests.requests)
             if stale:
@@ -108,19 +115,31 @@ class WorkerRuntime:
         if self.model is None:
             self.step = None
             return
-        python = (
-            not self.eager and self.eager_steps and (new_block or self._block_still_running(scheduler_output))
-        )
+        if new_block:
+            self._admit(scheduler_output)
+        python = not self.eager and self.eager_steps and self._forward_wanted(scheduler_output)
         self.step = Step(scheduler_output, python=python)
         seams.mark_uncompiled_step(self.runner, python)
 
-    def _block_still_running(self, scheduler_output: Any) -> bool:
-        """Whether a block that already started may run in this step."""
+    def _admit(self, scheduler_output: Any) -> None:
+        """Open the envelopes of this step's new requests (before the forward is dispatched)."""
+        from .admit import admit
+
+        requests = self.requests
+        for data in seams.new_requests(scheduler_output):
+            if seams.carries_block(data.sampling_params) and data.req_id not in requests.requests:
+                admit(requests, self.index, data, self.persistent, self.limits, self.model)
+
+    def _forward_wanted(self, scheduler_output: Any) -> bool:
+        """Whether a block in this step, not yet finished, may ask for a module location."""
         requests = self.requests.requests
+        if not requests:
+            return False
         for request_id in seams.scheduled_ids(scheduler_output):
             request = requests.get(request_id)
             if request is not None and any(
-                m.worker is None or m.alive or m.caches for m in request.workers()
+                (m.worker is None or m.alive or m.caches) and getattr(m, "needs_forward", True)
+                for m in request.workers()
             ):
                 return True
         return False
@@ -135,6 +154,8 @@ class WorkerRuntime:
             self.model.interleaver.__exit__(None, None, None)
 
     def _end_python(self, step: Step) -> None:
+        if self.kernels is not None:
+            self.kernels.restore()
         if step.python:
             step.python = False
             seams.mark_uncompiled_step(self.runner, False)
@@ -145,22 +166,19 @@ class WorkerRuntime:
             return
         if step.python:
             seams.skip_compiled_forward()
+            if self.kernels is not None:
+                self.kernels.use()
             self.python_steps += 1
         if step.phase is Phase.SCHEDULED:
             self._start(step)
 
     def _start(self, step: Step) -> None:
-        """Admit new requests, read the layout, open the interleaver for this step.
+        """Read the layout and open the interleaver for this step.
 
         Called by the root forward pre-hook, or by the sampler pre-hook when the
         forward ran as a replayed CUDA graph (no Python, so no root hook).
         """
-        from .admit import admit
-
         requests = self.requests
-        for data in seams.new_requests(step.scheduler_output):
-            if seams.carries_block(data.sampling_params) and data.req_id not in requests.requests:
-                admit(requests, self.index, data, self.persistent, self.limits)
         if not requests.requests:
             # Nothing in flight: no pending save can matter, so bound the
             # thread-local save set nnsight keys by object id.
@@ -202,13 +220,15 @@ class WorkerRuntime:
         step = self.step
         if step is None:
             return None
+        if self.kernels is not None:
+            self.kernels.restore()  # the forward is over
         if step.phase is Phase.SCHEDULED:
             self._start(step)
         if step.phase is not Phase.FORWARD:
             return None
         model = self.model
         self.requests.unflatten(model)
-        model.interleaver.__exit__(None, None, None)  # the forward is over
+        model.interleaver.__exit__(None, None, None)
         step.phase = Phase.SAMPLING
         logits = kwargs["logits"] if "logits" in kwargs else args[0]
         nns.still_running(model.interleaver)
@@ -294,6 +314,7 @@ class WorkerRuntime:
             "tracked": self.tracked(),
             "compiled_engine": not self.eager,
             "uncompiled_steps": self.python_steps,
+            "eager_kernels": 0 if self.kernels is None else len(self.kernels),
             "graph_modes": seams.graph_mode_counts(self.runner),
             "runner": seams.runner_name(self.runner),
         }
