@@ -13,6 +13,8 @@ Engines (MODEL_DIR holds a config and tokenizer; weights are ``load_format="dumm
 - ``on-graphs``   plugin installed, same settings: idle, steer, capture, logit lens
 - ``off-eager``   stock vLLM with ``enforce_eager=True``
 - ``on-eager``    plugin, eager engine: the same jobs, to split forward from block cost
+- ``on-taps``     plugin, graphed engine with layer 18 tapped: the steering block is
+                  lowered onto the tap (``taps/``), the rest runs as on ``on-graphs``
 - ``nnsight``     nnsight 0.8.1's own vLLM integration (eager; plugin off)
 - ``hf``          nnsight on HF transformers (``LanguageModel``), the usual baseline
 - ``profile``     the plugin, eager, engine and worker in one process under cProfile
@@ -44,7 +46,7 @@ import sys
 import time
 from pathlib import Path
 
-PROMPT_LEN, TOKENS, CONCURRENT, MANY, SWEEP = 32, 128, 64, 1000, 1024
+PROMPT_LEN, TOKENS, CONCURRENT, MANY, SWEEP, WIDE = 32, 128, 64, 1000, 1024, 256
 LAYER = 18
 ENGINE = dict(
     load_format="dummy",
@@ -56,7 +58,7 @@ ENGINE = dict(
 if os.environ.get("GPU_BENCH_REAL"):  # a checkpoint with weights (SmolLM2)
     ENGINE.update(load_format="auto")
 if os.environ.get("GPU_BENCH_SMALL"):  # a dry run of the script itself, on a CPU
-    PROMPT_LEN, TOKENS, CONCURRENT, MANY, SWEEP, LAYER = 8, 4, 4, 8, 16, 1
+    PROMPT_LEN, TOKENS, CONCURRENT, MANY, SWEEP, WIDE, LAYER = 8, 4, 4, 8, 16, 8, 1
     ENGINE.update(
         dtype="float32",
         max_model_len=256,
@@ -101,6 +103,31 @@ def steer(model, batch, tokens, vector) -> None:
             with tracer.invoke(ids):
                 for _ in tracer.iter[:tokens]:
                     layer.output[0][:] += vector  # the seeds' loop: the vector is on the device
+
+
+def steer_tokens(model, batch, tokens, vector) -> list[list[int]]:
+    """The steering block (lowered on a tapped engine); each request's tokens."""
+    layer = model.model.layers[LAYER]
+    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+        for ids in batch:
+            with tracer.invoke(ids):
+                for _ in tracer.iter[:tokens]:
+                    layer.output[0][:] += vector
+                out = tracer.result.save()
+    return [list(o.outputs[0].token_ids) for o in out]
+
+
+def steer_tokens_python(model, batch, tokens, vector) -> list[list[int]]:
+    """The same edit written so that it runs as Python."""
+    layer = model.model.layers[LAYER]
+    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+        for ids in batch:
+            with tracer.invoke(ids):
+                for _ in tracer.iter[:tokens]:
+                    hidden = layer.output[0]
+                    hidden[:] += vector
+                out = tracer.result.save()
+    return [list(o.outputs[0].token_ids) for o in out]
 
 
 def capture(model, batch, tokens) -> int:
@@ -169,8 +196,11 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
     from vllm import LLM, SamplingParams
 
     plugin, kind = name.split("-")
+    extra = {}
+    if kind == "taps":  # graphs, with the benchmark's layer tapped
+        extra = {"additional_config": {"nnsight_taps": [f"model.layers.{LAYER}.output"]}}
     t0 = time.perf_counter()
-    llm = LLM(path, enforce_eager=(kind == "eager"), **ENGINE)
+    llm = LLM(path, enforce_eager=(kind == "eager"), **ENGINE, **extra)
     result(engine=name, job="startup", s=round(time.perf_counter() - t0, 1))
     params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True, detokenize=False)
     few, many = prompts(CONCURRENT), prompts(MANY)
@@ -181,8 +211,10 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
 
     for _ in range(repeats):
         result(engine=name, job="plain", tok_s=round(CONCURRENT * TOKENS / plain(few), 1))
-    if kind == "graphs":
+    if kind in ("graphs", "taps"):
         result(engine=name, job="plain1000", tok_s=round(MANY * TOKENS / plain(many), 1))
+    if kind == "taps" or (kind == "graphs" and plugin == "off"):
+        result(engine=name, job="plain256", tok_s=round(WIDE * TOKENS / plain(prompts(WIDE)), 1))
     one = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
     # Fresh prompts: a traced request never reads the prefix cache, so its plain
     # counterpart must not either.
@@ -202,7 +234,32 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
     for _ in range(max(1, repeats // 2)):
         wall = timed(lambda: steer(model, few, TOKENS, vector))
         result(engine=name, job="steer", tok_s=round(CONCURRENT * TOKENS / wall, 1))
-    n = MANY if kind == "graphs" else CONCURRENT
+    if kind == "taps":
+        (before,) = llm.collective_rpc("nnsight_stats")
+        big = 100 * vector  # large enough to change greedy tokens
+        lowered_ids = steer_tokens(model, few[:8], 16, big)
+        python_ids = steer_tokens_python(model, few[:8], 16, big)
+        (after,) = llm.collective_rpc("nnsight_stats")
+        plain_ids = [
+            list(o.outputs[0].token_ids)
+            for o in llm.generate(
+                few[:8],
+                SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False),
+                use_tqdm=False,
+            )
+        ]
+        result(
+            engine=name,
+            job="taps_check",
+            lowered=after["lowered"] - before["lowered"],
+            same_tokens=sum(a == b for a, b in zip(lowered_ids, python_ids)),
+            steered=sum(a != b for a, b in zip(lowered_ids, plain_ids)),
+            of=len(lowered_ids),
+        )
+        wide = prompts(WIDE)
+        wall = timed(lambda: steer(model, wide, TOKENS, vector))
+        result(engine=name, job="steer256", tok_s=round(WIDE * TOKENS / wall, 1))
+    n = MANY if kind in ("graphs", "taps") else CONCURRENT
     kept = []
     wall = timed(lambda: kept.append(capture(model, prompts(n), TOKENS)))
     rows = kept[0]
@@ -367,6 +424,7 @@ def table(*paths: Path) -> str:
     for (engine, job), values in sorted(by.items()):
         unit = "ms" if job in ("forward", "lens", "trace1", "sweep", "plain_sweep") else "tok/s"
         ref = base1000 if job in ("plain1000", "capture1000") else base
+        ref = median.get(("off-graphs", "plain256")) if job in ("plain256", "steer256") else ref
         if job == "lens":
             ratio = f"{median[(engine, job)] / forward:.2f}x a plain forward" if forward else ""
         elif job == "trace1":

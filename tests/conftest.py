@@ -42,9 +42,15 @@ def smollm2_path() -> str:
     return smollm2_path()
 
 
+#: The session engine is tapped: every test that runs on it also checks that a
+#: tap passes through whatever it is not asked to steer, and the user docs'
+#: steering loop at these layers runs lowered (``taps/``).
+SESSION_TAPS = ["model.layers.10.output", "model.layers.20.output"]
+
+
 @pytest.fixture(scope="session")
 def smollm2_llm(smollm2_path):
-    llm = start_llm(smollm2_path)
+    llm = start_llm(smollm2_path, additional_config={"nnsight_taps": SESSION_TAPS})
     yield llm
     stop_llm(llm)
 

@@ -12,6 +12,7 @@ import torch
 from vllm import SamplingParams
 
 from tests.conftest import start_llm, stop_llm
+from tests.test_taps import steer_as_python, steer_seeds_loop
 from vllm_nnsight_plugin import VLLM
 
 PROMPT = "The capital of France is"
@@ -36,7 +37,10 @@ def steered_reads(model, vector, steps=4):
 
 @pytest.fixture(scope="module")
 def compiled(smollm2_path):
-    llm = start_llm(smollm2_path, enforce_eager=False)
+    # Tapped at layers 10 and 20: the tests below that run as Python check that a
+    # tap passes every row it is not asked to steer through unchanged.
+    taps = {"nnsight_taps": ["model.layers.10.output", "model.layers.20.output"]}
+    llm = start_llm(smollm2_path, enforce_eager=False, additional_config=taps)
     yield llm
     stop_llm(llm)
 
@@ -94,6 +98,37 @@ def test_a_block_on_logits_and_samples_only_keeps_every_step_compiled(compiled, 
 def test_a_python_step_runs_the_kernels_an_eager_engine_runs(compiled):
     (stats,) = compiled.collective_rpc("nnsight_stats")
     assert stats["eager_kernels"] > 0  # CustomOps switched for Python steps, then back
+
+
+# ---------------------------------------------------------------- taps
+def lowered_count(llm) -> int:
+    (stats,) = llm.collective_rpc("nnsight_stats")
+    assert stats["taps"] == ["model.layers.10", "model.layers.20"]
+    return stats["lowered"]
+
+
+def test_a_lowered_block_keeps_every_step_compiled(compiled):
+    model = VLLM(compiled)
+    torch.manual_seed(1)
+    vectors = [torch.randn(576) for _ in range(3)]
+    before_lowered, before_python = lowered_count(compiled), uncompiled_steps(compiled)
+    lowered = steer_seeds_loop(model, vectors)
+    assert lowered_count(compiled) - before_lowered == 3
+    assert uncompiled_steps(compiled) == before_python  # every step stayed compiled
+    python = steer_as_python(model, vectors)
+    assert lowered_count(compiled) - before_lowered == 3  # not lowered
+    assert uncompiled_steps(compiled) - before_python >= 5  # its steps ran as Python
+    # Compiled and Python steps fuse differently, so the two agree closely, not
+    # bit for bit (on an eager engine they do: tests/test_taps.py).
+    for a, b in zip(lowered, python, strict=True):
+        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
+        for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            for token, logprob in step_a.items():
+                assert abs(logprob.logprob - step_b[token].logprob) < 1e-4
+    plain = compiled.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)
+    assert list(plain[0].outputs[0].token_ids) != list(lowered[0].outputs[0].token_ids)  # it steered
+    (stats,) = compiled.collective_rpc("nnsight_stats")
+    assert stats["tracked"] == 0 and stats["lowered_now"] == 0
 
 
 @pytest.fixture(scope="module")

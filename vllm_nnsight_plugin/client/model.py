@@ -87,13 +87,23 @@ class VLLM(_NNsightVLLM):
         check_nnsight()
         if mode not in ("sync", "async"):
             raise ValueError(f"mode={mode!r}: use 'sync' (vllm.LLM) or 'async' (AsyncLLM).")
-        if "taps" in kwargs:
-            raise NotImplementedError(
-                "taps are not used by this plugin: on an engine with CUDA graphs or "
-                "torch.compile, a step that runs a block runs its forward as Python and "
-                "every location is served (docs/performance.md)."
-            )
+        taps = kwargs.pop("taps", None)
+        self._taps: tuple[str, ...] = ()
         self._given_llm = None
+        if taps is not None and (_is_llm(model) or _is_async_llm(model)):
+            raise ValueError(
+                "taps are part of how an engine is built: pass taps= with a model path "
+                "(VLLM(path, dispatch=True, taps=[...])), or build your LLM with "
+                "additional_config={'nnsight_taps': [...]} (docs/taps.md)."
+            )
+        if taps is not None:
+            from ..taps.spec import CONFIG_KEY, parse
+
+            extra = dict(kwargs.get("additional_config") or {})
+            self._taps = parse(taps)
+            extra[CONFIG_KEY] = list(self._taps)
+            kwargs["additional_config"] = extra
+            kwargs.setdefault("enforce_eager", False)  # what taps are for: graphs
         if _is_llm(model) or _is_async_llm(model):
             self._given_llm = model
             mode = "async" if _is_async_llm(model) else "sync"
@@ -118,6 +128,10 @@ class VLLM(_NNsightVLLM):
         if self._given_llm is not None:
             self.vllm_entrypoint = self._given_llm
             return meta_model
+        if self._taps:  # refused here, with what exists, before an engine starts
+            from ..taps.spec import resolve
+
+            resolve(self._taps, (name for name, _ in meta_model.named_modules()))
         # Traced steps run as Python on any engine; eager also skips the compile
         # at start-up. Pass enforce_eager=False for graphed plain requests.
         kwargs.setdefault("enforce_eager", True)

@@ -56,7 +56,11 @@ Worker (each process that runs the model; ``worker.py``):
   which forward hooks belong to a real step (not a profile or warm-up run) and
   hands the step's ``SchedulerOutput`` to the runtime.
 - ``GPUModelRunner._determine_batch_execution_and_padding``: a step in which a
-  block may run is dispatched without a CUDA graph (``force_eager``).
+  block may run is dispatched without a CUDA graph (``force_eager``); the step's
+  layout is known here, so the tap tables are filled here too (``taps/``).
+- ``GPUModelRunner.load_model`` and ``CPUModelRunner.load_model`` (which does
+  not call it): taps are put on the loaded model before vLLM compiles it or
+  captures a graph.
 - ``kernels.py``: for a Python step on a compiled engine, each ``CustomOp``'s
   dispatch (``_forward_method``) and the ``vllm.ir`` op priorities are pointed
   at the kernels an eager engine runs, and put back when the forward returns.
@@ -152,6 +156,16 @@ class Seam:
     name: str
     leading: tuple[str, ...]
     process: str
+    #: Made only on this platform (``"cpu"``: the CPU runner overrides the method).
+    platform: str | None = None
+
+    def applies(self) -> bool:
+        """Whether this seam is made on the platform this process runs on."""
+        if self.platform is None:
+            return True
+        from vllm.platforms import current_platform
+
+        return current_platform.is_cpu() if self.platform == "cpu" else False
 
     @property
     def label(self) -> str:
@@ -214,6 +228,8 @@ SEAMS: tuple[Seam, ...] = (
         ("self",),
         WORKER,
     ),
+    Seam("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "load_model", ("self",), WORKER),
+    Seam("vllm.v1.worker.cpu_model_runner", "CPUModelRunner", "load_model", ("self",), WORKER, "cpu"),
 )
 
 # The process files use the pieces above, so they load after them.

@@ -49,6 +49,7 @@ def patch_engine_args() -> None:
             # variable lazily, so a default set here reaches the engine (0.25 GPU
             # and 0.32 GPU default to the V2 runner; the CPU build is always V1).
             os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+            _taps_into_config(self)
             config = original(self, *args, **kwargs)
             # Fixed now, as the engine is built: the variable may change later.
             _note_runner(config)
@@ -57,6 +58,25 @@ def patch_engine_args() -> None:
         return create_engine_config
 
     _wrap(EngineArgs, "create_engine_config", make)
+
+
+def _taps_into_config(engine_args: Any) -> None:
+    """Put the engine's taps (``VLLM_NNSIGHT_TAPS``, or already there) in its
+    ``additional_config`` with this plugin's version: vLLM hashes that dict into
+    the compile cache's key, so graphs built with other taps, or none, or by
+    another release of the tap operation, are never reused."""
+    from ..taps.spec import CONFIG_KEY, VERSION_KEY, from_env, parse
+    from ..versions import PLUGIN_VERSION
+
+    extra = engine_args.additional_config
+    extra = dict(extra) if isinstance(extra, dict) else None
+    if extra is None:
+        return  # a config object of the user's own: leave it alone
+    taps = parse(extra.get(CONFIG_KEY)) or from_env()
+    if taps:
+        extra[CONFIG_KEY] = list(taps)
+        extra[VERSION_KEY] = PLUGIN_VERSION
+        engine_args.additional_config = extra
 
 
 def patch_input_processor() -> None:

@@ -14,8 +14,15 @@ from typing import Any
 from . import _wrap
 
 
-def patch_model_runner(on_step: Callable[[Any, Any], None], on_step_end: Callable[[Any], None]) -> None:
-    """Call ``on_step(runner, scheduler_output)`` before each real forward step."""
+def patch_model_runner(
+    on_step: Callable[[Any, Any], None],
+    on_step_end: Callable[[Any], None],
+    on_loaded: Callable[[Any], None],
+    on_dispatch: Callable[[Any], None],
+) -> None:
+    """Call ``on_step(runner, scheduler_output)`` before each real forward step,
+    ``on_loaded(runner)`` once the model is loaded (before any compile or graph
+    capture), and ``on_dispatch(runner)`` once a forward's layout is known."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     def make(original: Callable) -> Callable:
@@ -37,12 +44,37 @@ def patch_model_runner(on_step: Callable[[Any, Any], None], on_step_end: Callabl
             mode = getattr(result[0], "name", str(result[0]))
             counts = self.__dict__.setdefault(GRAPH_MODES, {})
             counts[mode] = counts.get(mode, 0) + 1
+            on_dispatch(self)
             return result
 
         return determine
 
+    def make_load(original: Callable) -> Callable:
+        def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, *args, **kwargs)
+            on_loaded(self)
+            return result
+
+        return load_model
+
     _wrap(GPUModelRunner, "execute_model", make)
     _wrap(GPUModelRunner, "_determine_batch_execution_and_padding", make_dispatch)
+    for runner_class in model_runner_classes():
+        _wrap(runner_class, "load_model", make_load)
+
+
+def model_runner_classes() -> list[type]:
+    """The runner classes whose ``load_model`` loads the model: the GPU runner, and
+    the CPU runner (which overrides it) where this vLLM build has one."""
+    from vllm.platforms import current_platform
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    classes: list[type] = [GPUModelRunner]
+    if current_platform.is_cpu():
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+        classes.append(CPUModelRunner)
+    return classes
 
 
 #: Set on a runner for a step whose forward must run as plain Python.

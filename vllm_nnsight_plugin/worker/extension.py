@@ -26,6 +26,7 @@ from typing import Any
 from ..seams import composed_name as composed_name  # where it always was, too
 from ..seams import composed_user
 from ..seams.worker import patch_model_runner
+from ..taps.spec import RUNNER_ATTR as _TAPS
 from ..wire.trust import local_key
 from .runtime import WorkerRuntime
 
@@ -47,7 +48,21 @@ def _on_step_failed(runner: Any) -> None:
     runtime_of(runner).abandon_step()
 
 
-patch_model_runner(_on_step, _on_step_failed)
+def _on_loaded(runner: Any) -> None:
+    """Taps go on the model before vLLM compiles it (``taps/install.py``)."""
+    if _TAPS in runner.__dict__:
+        return  # a runner whose load_model calls its parent's
+    from ..taps.install import install
+
+    runner.__dict__[_TAPS] = install(runner, runner.get_model())
+
+
+def _on_dispatch(runner: Any) -> None:
+    if runner.__dict__.get(_TAPS) is not None:
+        runtime_of(runner).fill_taps()
+
+
+patch_model_runner(_on_step, _on_step_failed, _on_loaded, _on_dispatch)
 # Read the local key now, as the worker starts: a later change to this process's
 # environment (vLLM's development RPC route can make one) cannot forge it.
 local_key()

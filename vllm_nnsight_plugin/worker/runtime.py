@@ -33,6 +33,7 @@ import pickle
 from typing import Any
 
 from .. import seams
+from ..taps.spec import RUNNER_ATTR
 from ..wire.envelope import Limits
 from ..wire.references import envoy_references
 from .errors import ChunkedPromptError
@@ -68,6 +69,7 @@ class WorkerRuntime:
         self.eager_steps = os.environ.get(_EAGER_STEPS_ENV, "1").strip().lower() not in _FALSY
         self.python_steps = 0
         self.kernels: Any = None  # the eager kernels for a compiled engine's Python steps
+        self.lowered = 0  # requests whose blocks ran on the tap tables (taps/lower.py)
         self.step: Step | None = None
         self.uncollected = Uncollected(float(os.environ.get(_UNCOLLECTED_ENV) or 30.0))
 
@@ -126,9 +128,52 @@ class WorkerRuntime:
         from .admit import admit
 
         requests = self.requests
+        tables = self.tables
         for data in seams.new_requests(scheduler_output):
             if seams.carries_block(data.sampling_params) and data.req_id not in requests.requests:
                 admit(requests, self.index, data, self.persistent, self.limits, self.model)
+                if tables is not None:
+                    self._lower(requests.requests[data.req_id], tables)
+
+    @property
+    def tables(self) -> Any:
+        """This runner's tap tables, or None for an engine without taps."""
+        return self.runner.__dict__.get(RUNNER_ATTR)
+
+    def _lower(self, request: Any, tables: Any) -> None:
+        """Put a request on the tap tables instead of running its block as Python,
+        when its block is exactly a form they express (``taps/lower.py``)."""
+        from ..taps.lower import lower
+
+        mediator = request.mediator
+        if mediator is None or request.copies or request.index != 0 or request.engine_id != request.stem:
+            return
+        steer = lower(
+            nns.block_source(mediator),
+            nns.block_scope(mediator),
+            self.model,
+            nns.InterleavingTracer,
+            tables.site_of,
+            tables.hidden,
+            self.runner.model_config.dtype,
+            tables.device,
+        )
+        if steer is not None and tables.add(
+            request.id, steer.site, steer.vector, steer.start, steer.stop, steer.result
+        ):
+            request.mediator = None  # nothing of it runs as Python
+            self.lowered += 1
+
+    def fill_taps(self) -> None:
+        """Called once a forward's layout is known: this step's rows into the tap tables."""
+        step, tables = self.step, self.tables
+        if step is None or step.phase is not Phase.SCHEDULED or step.taps_filled or tables is None:
+            return
+        step.taps_filled = True
+        if tables.idle():
+            return
+        layout = seams.StepLayout(self.runner)
+        tables.fill(layout.req_ids, layout.starts, layout.counts)
 
     def _forward_wanted(self, scheduler_output: Any) -> bool:
         """Whether a block in this step, not yet finished, may ask for a module location."""
@@ -276,7 +321,13 @@ class WorkerRuntime:
         from .collect import pack, pool_part, synchronize_device, wind_up
 
         finished = pickle.loads(outputs) if outputs else None
-        entries = wind_up(self.requests, self.model, self.index, request_ids, finished, seams.reports_saves())
+        lowered = self._forget_lowered(request_ids)
+        reporting = seams.reports_saves()
+        entries = wind_up(self.requests, self.model, self.index, request_ids, finished, reporting)
+        if reporting and finished:
+            for engine_id, result in lowered:
+                if engine_id in entries and engine_id in finished:
+                    entries[engine_id]["saves"][result] = finished[engine_id]
         self.uncollected.forget(self.requests.requests)
         if any(entry.get("saves") or entry.get("sequences") for entry in entries.values()):
             synchronize_device()
@@ -284,6 +335,27 @@ class WorkerRuntime:
         pooler = Pooler()
         parts = [pack(rid, entries.get(rid), self.limits, miss, pooler) for rid in request_ids]
         return parts + pool_part(pooler)
+
+    def _forget_lowered(self, request_ids: list[str]) -> list[tuple[str, str]]:
+        """Free the bank rows of the lowered requests asked about; (id, result name) of
+        those whose block saved the finished output and got that far (as Python,
+        the line after the loop runs only once the loop's last step has)."""
+        tables = self.tables
+        if tables is None or not tables.requests:
+            return []
+        results = []
+        for asked in request_ids:
+            for internal in self.index.answering(asked):
+                done = tables.forget(internal)
+                request = self.requests.requests.get(internal)
+                if (
+                    done is not None
+                    and done.result is not None
+                    and request is not None
+                    and done.finished_loop()
+                ):
+                    results.append((request.engine_id, done.result))
+        return results
 
     def _compiled_miss(self) -> str:
         """Why a module location was never reached on this compiled engine."""
@@ -315,6 +387,8 @@ class WorkerRuntime:
             "compiled_engine": not self.eager,
             "uncompiled_steps": self.python_steps,
             "eager_kernels": 0 if self.kernels is None else len(self.kernels),
+            "lowered": self.lowered,
+            **({} if self.tables is None else self.tables.stats()),
             "graph_modes": seams.graph_mode_counts(self.runner),
             "runner": seams.runner_name(self.runner),
         }

@@ -36,6 +36,8 @@ class Step:
     phase: Phase = Phase.SCHEDULED
     #: Request id -> its row in the step's per-request tensors (logits, samples).
     rows: dict[str, int] = field(default_factory=dict)
+    #: The tap tables hold this step's rows (``taps/install.py``).
+    taps_filled: bool = False
 
     @property
     def open(self) -> bool:

@@ -1,0 +1,287 @@
+"""Taps: patterns, the lowering of the user docs' steering loop, the tables, and
+the lowered path against the Python path on the session engine (eager, fp32,
+tapped at layers 10 and 20: ``conftest.SESSION_TAPS``), where the two must agree
+bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm import SamplingParams
+
+from vllm_nnsight_plugin import VLLM
+from vllm_nnsight_plugin.taps.install import TapTables
+from vllm_nnsight_plugin.taps.lower import steer_form
+from vllm_nnsight_plugin.taps.spec import TapError, parse, resolve
+
+PROMPT = "The capital of France is"
+NAMES = ["model", "model.embed_tokens", "model.layers", "model.layers.0", "model.layers.1", "model.norm"]
+
+
+# ---------------------------------------------------------------- patterns
+def test_patterns_resolve_in_model_order_and_refuse_what_does_not_exist():
+    assert parse("model.layers.1.output, model.layers.0.output") == (
+        "model.layers.1.output",
+        "model.layers.0.output",
+    )
+    assert parse('["model.norm.output"]') == ("model.norm.output",)
+    assert resolve(["model.layers.*.output"], NAMES) == ("model.layers.0", "model.layers.1")
+    assert resolve(["model.layers.1.output", "model.layers.*.output"], NAMES) == (
+        "model.layers.0",
+        "model.layers.1",
+    )
+    with pytest.raises(TapError, match=r"names no module.*model\.layers\.\*\.output"):
+        resolve(["model.layer.3.output"], NAMES)
+    with pytest.raises(TapError, match="a tap is a module's output"):
+        resolve(["model.layers.0.input"], NAMES)
+    with pytest.raises(TapError, match="a tap is a module's output"):
+        resolve(["model.layers.0.self_attn.source.attn_0.output"], NAMES)
+    with pytest.raises(TapError, match="strings"):
+        parse(["model.norm.output", 3])
+
+
+# ---------------------------------------------------------------- lowering
+@pytest.mark.parametrize(
+    "source",
+    [
+        "for _ in tracer.iter[:16]:\n    model.model.layers[10].output[0][:] += 60.0 * vector\n",
+        "for _ in tracer.iter[2:steps]:\n    model.model.layers[i].output[0][:] += vector\nout = tracer.result.save()\n",
+        "for step in tracer.all():\n    layer.output[0][:] += -(a * v) / 2\n",
+    ],
+)
+def test_the_steering_loop_forms_are_recognised(source):
+    assert steer_form(source) is not None
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        # a second edit, a read, a save, another statement: Python
+        "for _ in tracer.iter[:3]:\n    layer.output[0][:] += v\n    layer.output[0][:] += v\n",
+        "for _ in tracer.iter[:3]:\n    h = layer.output[0]\n    h[:] += v\n",
+        "x = 1\nfor _ in tracer.iter[:3]:\n    layer.output[0][:] += v\n",
+        # the loop variable, a call, a step in the slice, a part of the rows, the residual
+        "for s in tracer.iter[:3]:\n    layer.output[0][:] += s * v\n",
+        "for _ in tracer.iter[:3]:\n    layer.output[0][:] += v.to('cuda')\n",
+        "for _ in tracer.iter[::2]:\n    layer.output[0][:] += v\n",
+        "for _ in tracer.iter[:3]:\n    layer.output[0][-1] += v\n",
+        "for _ in tracer.iter[:3]:\n    layer.output[1][:] += v\n",
+        "for _ in tracer.iter[:3]:\n    layer.output[0][:] -= v\n",
+        "for _ in tracer.iter[-2:]:\n    layer.output[0][:] += v\n",
+        "layer.output[0][:] += v\n",  # the body: the first step only, as Python
+    ],
+)
+def test_anything_else_runs_as_python(source):
+    assert steer_form(source) is None
+
+
+def test_the_tables_point_each_steps_rows_at_their_requests():
+    tables = TapTables(
+        ("model.layers.0", "model.layers.1"), max_tokens=16, hidden=4, bank_rows=4, device="cpu"
+    )
+    assert tables.add("a", "model.layers.1", torch.ones(4), start=0, stop=2, result=None)
+    assert tables.add("b", "model.layers.0", torch.full((1, 4), 2.0), start=1, stop=None, result="out")
+    assert tables.idle() is False
+    tables.fill(["a", "plain", "b"], [0, 5, 6], [5, 1, 3])  # the prompt step
+    want = torch.full((2, 16), -1, dtype=torch.int32)
+    want[1, 0:5] = tables.requests["a"].slot
+    assert torch.equal(tables.slots, want)  # b starts on its second step
+    tables.fill(["b", "a"], [0, 1], [1, 1])
+    want = torch.full((2, 16), -1, dtype=torch.int32)
+    want[0, 0] = tables.requests["b"].slot
+    want[1, 1] = tables.requests["a"].slot
+    assert torch.equal(tables.slots, want)
+    tables.fill(["b", "a"], [0, 1], [1, 1])  # a's window is over
+    want[1, 1] = -1
+    assert torch.equal(tables.slots, want)
+    hidden = torch.arange(8.0).reshape(2, 4)
+    out = torch.ops.vllm_nnsight.steer(hidden, tables.slots, tables.bank, 0)
+    assert torch.equal(out, torch.stack([hidden[0] + 2.0, hidden[1]]))
+    assert tables.forget("a") is not None and tables.forget("b") is not None
+    tables.fill(["plain"], [0], [1])
+    assert torch.equal(tables.slots, torch.full((2, 16), -1, dtype=torch.int32)) and tables.idle()
+    for name in "wxyz":
+        assert tables.add(name, "model.layers.0", torch.ones(4), 0, None, None)
+    assert not tables.add("full", "model.layers.0", torch.ones(4), 0, None, None)  # runs as Python
+
+
+# ---------------------------------------------------------------- on the engine
+def lowered_count(llm) -> int:
+    (stats,) = llm.collective_rpc("nnsight_stats")
+    return stats["lowered"]
+
+
+def steer_seeds_loop(model, vectors, layer=10, steps=5):
+    """The user docs' steering loop, one invoke per vector: lowered onto the taps."""
+    with model.trace(temperature=0.0, max_tokens=steps, logprobs=3) as tracer:
+        for vector in vectors:
+            with tracer.invoke(PROMPT):
+                for _ in tracer.iter[:steps]:
+                    model.model.layers[layer].output[0][:] += 6.0 * vector
+                out = tracer.result.save()
+    return out if len(vectors) > 1 else [out]
+
+
+def steer_as_python(model, vectors, layer=10, steps=5):
+    """The same edit written so that it is not lowered: it runs as Python."""
+    with model.trace(temperature=0.0, max_tokens=steps, logprobs=3) as tracer:
+        for vector in vectors:
+            with tracer.invoke(PROMPT):
+                for _ in tracer.iter[:steps]:
+                    hidden = model.model.layers[layer].output[0]
+                    hidden[:] += 6.0 * vector
+                out = tracer.result.save()
+    return out if len(vectors) > 1 else [out]
+
+
+def same_generation(got, want) -> None:
+    for a, b in zip(got, want, strict=True):
+        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
+        for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert {t: p.logprob for t, p in step_a.items()} == {t: p.logprob for t, p in step_b.items()}
+
+
+def test_the_seeds_steering_loop_is_lowered_and_equals_the_python_path_bit_for_bit(smollm2_llm, smol):
+    torch.manual_seed(1)
+    vectors = [torch.randn(576) for _ in range(3)]
+    before = lowered_count(smollm2_llm)
+    lowered = steer_seeds_loop(smol, vectors)
+    assert lowered_count(smollm2_llm) - before == 3
+    python = steer_as_python(smol, vectors)
+    assert lowered_count(smollm2_llm) - before == 3
+    same_generation(lowered, python)
+    plain = smollm2_llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)
+    assert list(plain[0].outputs[0].token_ids) != list(lowered[0].outputs[0].token_ids)  # it steered
+    (stats,) = smollm2_llm.collective_rpc("nnsight_stats")
+    assert stats["tracked"] == 0 and stats["lowered_now"] == 0
+
+
+def test_lowered_python_and_plain_requests_share_steps(smollm2_llm, smol):
+    torch.manual_seed(2)
+    vector = torch.randn(576)
+    params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=3)
+
+    # A batch of three: layer 20 steered on every step (lowered, or the same written
+    # as Python), a Python block reading and steering from its second step, a
+    # plain request.
+    def lowered(model):
+        with model.trace(temperature=0.0, max_tokens=4, logprobs=3) as tracer:
+            with tracer.invoke(PROMPT):
+                for _ in tracer.iter[:4]:
+                    model.model.layers[20].output[0][:] += 4.0 * vector
+                first = tracer.result.save()
+            with tracer.invoke(PROMPT):
+                reads = list().save()
+                for _ in tracer.iter[1:4]:
+                    reads.append(model.model.layers[20].output[0].clone())
+                    model.model.layers[20].output[0][:] += 4.0 * vector
+                second = tracer.result.save()
+            with tracer.invoke("Water boils at"):
+                third = tracer.result.save()
+        return [first, second, third], reads
+
+    def python(model):
+        with model.trace(temperature=0.0, max_tokens=4, logprobs=3) as tracer:
+            with tracer.invoke(PROMPT):
+                for _ in tracer.iter[:4]:
+                    hidden = model.model.layers[20].output[0]
+                    hidden[:] += 4.0 * vector
+                first = tracer.result.save()
+            with tracer.invoke(PROMPT):
+                reads = list().save()
+                for _ in tracer.iter[1:4]:
+                    reads.append(model.model.layers[20].output[0].clone())
+                    model.model.layers[20].output[0][:] += 4.0 * vector
+                second = tracer.result.save()
+            with tracer.invoke("Water boils at"):
+                third = tracer.result.save()
+        return [first, second, third], reads
+
+    before = lowered_count(smollm2_llm)
+    got, got_reads = lowered(smol)
+    assert lowered_count(smollm2_llm) - before == 1
+    want, want_reads = python(smol)
+    assert lowered_count(smollm2_llm) - before == 1
+    same_generation(got, want)
+    assert [tuple(r.shape) for r in got_reads] == [(1, 576)] * 3
+    for a, b in zip(got_reads, want_reads, strict=True):
+        assert torch.equal(a, b)
+    plain = smollm2_llm.generate([PROMPT], params, use_tqdm=False)
+    assert list(plain[0].outputs[0].token_ids) != list(got[0].outputs[0].token_ids)
+
+
+def test_the_line_after_the_loop_runs_only_if_the_loop_ends_on_both_paths(smollm2_llm, smol):
+    vector = torch.ones(576)
+
+    def short_lowered():  # the loop asks for more steps than the request has
+        with smol.trace(PROMPT, temperature=0.0, max_tokens=2) as tracer:
+            for _ in tracer.iter[:3]:
+                smol.model.layers[10].output[0][:] += vector
+            out = tracer.result.save()
+        return out
+
+    def short_python():
+        with smol.trace(PROMPT, temperature=0.0, max_tokens=2) as tracer:
+            for _ in tracer.iter[:3]:
+                hidden = smol.model.layers[10].output[0]
+                hidden[:] += vector
+            out = tracer.result.save()
+        return out
+
+    def forever_lowered():
+        with smol.trace(PROMPT, temperature=0.0, max_tokens=2) as tracer:
+            for _ in tracer.all():
+                smol.model.layers[10].output[0][:] += vector
+            out = tracer.result.save()
+        return out
+
+    before = lowered_count(smollm2_llm)
+    for block in (short_lowered, short_python, forever_lowered):
+        with pytest.raises(UnboundLocalError):
+            block()  # nothing was saved under out
+    assert lowered_count(smollm2_llm) - before == 2
+
+
+def test_a_block_that_cannot_be_lowered_exactly_runs_as_python(smollm2_llm, smol):
+    before = lowered_count(smollm2_llm)
+    with smol.trace(PROMPT, temperature=0.0, max_tokens=2) as tracer:  # a CPU vector of another dtype
+        for _ in tracer.iter[:2]:
+            smol.model.layers[10].output[0][:] += torch.ones(576, dtype=torch.float64)
+        out = tracer.result.save()
+    with smol.trace(PROMPT, temperature=0.0, max_tokens=2) as tracer:  # not a tap
+        for _ in tracer.iter[:2]:
+            smol.model.layers[11].output[0][:] += torch.ones(576)
+    assert lowered_count(smollm2_llm) == before
+    assert len(out.outputs[0].token_ids) == 2
+
+
+def test_taps_are_given_when_the_engine_is_built(smollm2_llm):
+    with pytest.raises(ValueError, match="taps are part of how an engine is built"):
+        VLLM(smollm2_llm, taps=["model.layers.*.output"])
+
+
+def test_taps_from_the_environment_go_into_the_hashed_engine_config(monkeypatch, smollm2_path):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_nnsight_plugin.seams.frontend import _taps_into_config
+    from vllm_nnsight_plugin.versions import PLUGIN_VERSION
+
+    monkeypatch.setenv("VLLM_NNSIGHT_TAPS", "model.layers.3.output,model.layers.4.output")
+    args = EngineArgs(model=smollm2_path)
+    _taps_into_config(args)
+    assert args.additional_config == {
+        "nnsight_taps": ["model.layers.3.output", "model.layers.4.output"],
+        "nnsight_taps_plugin": PLUGIN_VERSION,
+    }
+    given = EngineArgs(
+        model=smollm2_path, additional_config={"nnsight_taps": ["model.norm.output"], "other": 1}
+    )
+    _taps_into_config(given)  # the engine's own list wins over the environment
+    assert (
+        given.additional_config["nnsight_taps"] == ["model.norm.output"]
+        and given.additional_config["other"] == 1
+    )
+    monkeypatch.delenv("VLLM_NNSIGHT_TAPS")
+    plain = EngineArgs(model=smollm2_path)
+    _taps_into_config(plain)
+    assert not plain.additional_config  # no taps: the config (and its hash) is untouched
