@@ -15,6 +15,7 @@ from pathlib import Path
 LABELS = {
     "off-graphs": "vLLM, graphs (plugin off)",
     "on-graphs": "plugin, graphed engine",
+    "on-taps": "plugin, graphed engine, tap (lowered)",
     "off-eager": "vLLM, eager (plugin off)",
     "on-eager": "plugin, eager engine",
     "nnsight": "nnsight's vLLM runner (eager)",

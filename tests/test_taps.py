@@ -134,22 +134,39 @@ def steer_as_python(model, vectors, layer=10, steps=5):
     return out if len(vectors) > 1 else [out]
 
 
-def same_generation(got, want) -> None:
-    for a, b in zip(got, want, strict=True):
-        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
-        for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
-            assert {t: p.logprob for t, p in step_a.items()} == {t: p.logprob for t, p in step_b.items()}
+def same_generation(got, want, exact: bool = True) -> None:
+    """Same tokens; the same log-probabilities, bit for bit or within 1e-5. Exact
+    only for requests traced alone: vLLM may schedule the requests of one trace
+    into different batches from run to run, and a batch's shape moves the last
+    bits of its arithmetic."""
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids), f"request {i}"
+        for step, (step_a, step_b) in enumerate(
+            zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True)
+        ):
+            got_step = {t: p.logprob for t, p in step_a.items()}
+            want_step = {t: p.logprob for t, p in step_b.items()}
+            if exact:
+                assert got_step == want_step, f"request {i}, step {step}"
+            else:
+                assert got_step.keys() == want_step.keys(), f"request {i}, step {step}"
+                assert all(abs(got_step[t] - want_step[t]) < 1e-5 for t in got_step), (
+                    f"request {i}, step {step}"
+                )
 
 
 def test_the_seeds_steering_loop_is_lowered_and_equals_the_python_path_bit_for_bit(smollm2_llm, smol):
     torch.manual_seed(1)
     vectors = [torch.randn(576) for _ in range(3)]
     before = lowered_count(smollm2_llm)
-    lowered = steer_seeds_loop(smol, vectors)
+    for vector in vectors:  # alone: bit for bit
+        same_generation(steer_seeds_loop(smol, [vector]), steer_as_python(smol, [vector]))
     assert lowered_count(smollm2_llm) - before == 3
+    lowered = steer_seeds_loop(smol, vectors)  # together, one trace
+    assert lowered_count(smollm2_llm) - before == 6
     python = steer_as_python(smol, vectors)
-    assert lowered_count(smollm2_llm) - before == 3
-    same_generation(lowered, python)
+    assert lowered_count(smollm2_llm) - before == 6
+    same_generation(lowered, python, exact=False)
     plain = smollm2_llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)
     assert list(plain[0].outputs[0].token_ids) != list(lowered[0].outputs[0].token_ids)  # it steered
     (stats,) = smollm2_llm.collective_rpc("nnsight_stats")
@@ -202,10 +219,10 @@ def test_lowered_python_and_plain_requests_share_steps(smollm2_llm, smol):
     assert lowered_count(smollm2_llm) - before == 1
     want, want_reads = python(smol)
     assert lowered_count(smollm2_llm) - before == 1
-    same_generation(got, want)
+    same_generation(got, want, exact=False)
     assert [tuple(r.shape) for r in got_reads] == [(1, 576)] * 3
     for a, b in zip(got_reads, want_reads, strict=True):
-        assert torch.equal(a, b)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     plain = smollm2_llm.generate([PROMPT], params, use_tqdm=False)
     assert list(plain[0].outputs[0].token_ids) != list(got[0].outputs[0].token_ids)
 

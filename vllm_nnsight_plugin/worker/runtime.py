@@ -230,6 +230,11 @@ class WorkerRuntime:
             nns.clear_saves()
             step.phase = Phase.DONE
             return
+        if not any(
+            r.mediator is not None or r.copies or r.error is not None for r in requests.requests.values()
+        ):
+            step.phase = Phase.DONE  # only lowered requests: nothing for the interleaver to serve
+            return
         nns.open_save_scope()
         layout = seams.StepLayout(self.runner)
         spans = layout.spans()
@@ -277,8 +282,14 @@ class WorkerRuntime:
         step.phase = Phase.SAMPLING
         logits = kwargs["logits"] if "logits" in kwargs else args[0]
         nns.still_running(model.interleaver)
-        # The sampler scales logits in place; a block's read must not see that.
-        new = nns.provide_logits(model, logits).clone()
+        # The sampler scales logits in place; a block's read must not see that, so
+        # blocks get a copy. Their edits are copied back into vLLM's own tensor,
+        # which the sampler then reads as it would without a block (same layout,
+        # so the same log-probabilities as a plain step's).
+        new = nns.provide_logits(model, logits.clone())
+        if new.shape == logits.shape:
+            logits.copy_(new)
+            return None
         if "logits" in kwargs:
             return args, {**kwargs, "logits": new}
         return (new, *args[1:]), kwargs
