@@ -302,3 +302,18 @@ def test_taps_from_the_environment_go_into_the_hashed_engine_config(monkeypatch,
     plain = EngineArgs(model=smollm2_path)
     _taps_into_config(plain)
     assert not plain.additional_config  # no taps: the config (and its hash) is untouched
+
+
+def test_a_prompt_split_by_chunked_prefill_is_never_lowered():
+    from types import SimpleNamespace
+
+    from vllm_nnsight_plugin.worker.runtime import _whole_prompt
+
+    data = SimpleNamespace(req_id="r", prompt_token_ids=list(range(10)), num_computed_tokens=0)
+    assert _whole_prompt(data, SimpleNamespace(num_scheduled_tokens={"r": 10}))
+    assert not _whole_prompt(
+        data, SimpleNamespace(num_scheduled_tokens={"r": 4})
+    )  # the Python path refuses it
+    assert not _whole_prompt(
+        SimpleNamespace(req_id="r", prompt_token_ids=None), SimpleNamespace(num_scheduled_tokens={})
+    )
