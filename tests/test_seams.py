@@ -190,6 +190,20 @@ def test_a_python_step_switches_custom_ops_to_the_eager_kernels_and_back():
     )
 
 
+def test_the_reads_the_tap_tables_rely_on():
+    """``seams.whole_prompt_scheduled`` and ``seams.tap_table_sizes``."""
+    import dataclasses
+
+    from vllm.config import CompilationConfig, ModelConfig, SchedulerConfig
+    from vllm.v1.core.sched.output import NewRequestData
+
+    fields = {f.name for f in dataclasses.fields(NewRequestData)}
+    assert {"req_id", "prompt_token_ids", "num_computed_tokens", "sampling_params"} <= fields
+    assert {"max_num_batched_tokens", "max_num_seqs"} <= set(SchedulerConfig.__dataclass_fields__)
+    assert "cudagraph_capture_sizes" in CompilationConfig.__dataclass_fields__
+    assert callable(ModelConfig.get_hidden_size)
+
+
 def test_register_is_cheap_and_idempotent():
     code = (
         "import sys, vllm\n"

@@ -307,7 +307,7 @@ def test_taps_from_the_environment_go_into_the_hashed_engine_config(monkeypatch,
 def test_a_prompt_split_by_chunked_prefill_is_never_lowered():
     from types import SimpleNamespace
 
-    from vllm_nnsight_plugin.worker.runtime import _whole_prompt
+    from vllm_nnsight_plugin.seams import whole_prompt_scheduled as _whole_prompt
 
     data = SimpleNamespace(req_id="r", prompt_token_ids=list(range(10)), num_computed_tokens=0)
     assert _whole_prompt(data, SimpleNamespace(num_scheduled_tokens={"r": 10}))

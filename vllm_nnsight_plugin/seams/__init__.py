@@ -67,7 +67,8 @@ Worker (each process that runs the model; ``worker.py``):
 - Reads, each a small function in ``worker.py``: the scheduler output's new,
   scheduled and finished requests; the runner's model, sampler, tokenizer,
   persistent batch (``StepLayout``) and per-request state; the sampler output's
-  token ids.
+  token ids; what the tap tables are sized by, and whether a new request's whole
+  prompt is in its first step.
 """
 
 from __future__ import annotations
@@ -261,6 +262,7 @@ from .worker import (  # noqa: E402
     finished_ids,
     graph_mode_counts,
     mark_uncompiled_step,
+    model_dtype,
     model_of,
     new_params,
     new_requests,
@@ -273,7 +275,9 @@ from .worker import (  # noqa: E402
     scheduled_ids,
     set_sampled_ids,
     skip_compiled_forward,
+    tap_table_sizes,
     tokenizer_of,
+    whole_prompt_scheduled,
 )
 
 #: What ``plugin.register`` arranges: for each vLLM module holding front-end or
@@ -316,6 +320,7 @@ __all__ = [
     "kernels",
     "logger",
     "mark_uncompiled_step",
+    "model_dtype",
     "model_of",
     "new_params",
     "new_requests",
@@ -336,6 +341,8 @@ __all__ = [
     "scheduled_ids",
     "set_sampled_ids",
     "skip_compiled_forward",
+    "tap_table_sizes",
     "tokenizer_of",
+    "whole_prompt_scheduled",
     "worker",
 ]

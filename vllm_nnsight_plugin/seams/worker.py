@@ -202,3 +202,31 @@ def engine_is_eager(vllm_config: Any) -> bool:
     compilation = vllm_config.compilation_config
     mode = getattr(compilation, "mode", None)
     return int(getattr(mode, "value", mode) or 0) == 0 and not getattr(compilation, "cudagraph_mode", None)
+
+
+def whole_prompt_scheduled(data: Any, scheduler_output: Any) -> bool:
+    """Whether a new request's (``NewRequestData``) whole prompt is in this step,
+    rather than split by chunked prefill. Read before the runner's own request
+    state exists (``begin_step`` runs before ``_update_states``)."""
+    prompt = getattr(data, "prompt_token_ids", None)
+    scheduled = scheduled_ids(scheduler_output)
+    if prompt is None or not hasattr(scheduled, "get"):
+        return False
+    return int(getattr(data, "num_computed_tokens", 0) or 0) + int(scheduled.get(data.req_id, 0)) >= len(
+        prompt
+    )
+
+
+def model_dtype(runner: Any) -> Any:
+    return runner.model_config.dtype
+
+
+def tap_table_sizes(runner: Any) -> tuple[int, int, int, Any]:
+    """What the tap tables are sized by: the most token rows one forward can have
+    (the batch budget, or a larger CUDA-graph capture size), the model's width,
+    the most requests one step can hold, and the runner's device."""
+    config = runner.vllm_config
+    scheduler = config.scheduler_config
+    sizes = getattr(config.compilation_config, "cudagraph_capture_sizes", None) or ()
+    max_tokens = max([int(scheduler.max_num_batched_tokens), *sizes])
+    return max_tokens, config.model_config.get_hidden_size(), int(scheduler.max_num_seqs), runner.device

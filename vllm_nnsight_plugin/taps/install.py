@@ -71,8 +71,14 @@ class TapTables:
 
     # ------------------------------------------------------------ requests
     def add(
-        self, request_id: str, site_path: str, vector: torch.Tensor, start: int, stop: int | None, result
-    ):
+        self,
+        request_id: str,
+        site_path: str,
+        vector: torch.Tensor,
+        start: int,
+        stop: int | None,
+        result: str | None,
+    ) -> bool:
         """Give a request a bank row; False when the bank is full (it runs as Python)."""
         if not self.free or request_id in self.requests:
             return False
@@ -121,18 +127,14 @@ class TapTables:
 
 def install(runner: Any, model: Any) -> TapTables | None:
     """Put the operation on every tapped module of ``model``; None when the engine has no taps."""
-    config = runner.vllm_config
-    patterns = engine_taps(config)
+    from .. import seams
+
+    patterns = engine_taps(runner.vllm_config)
     if not patterns:
         return None
     sites = resolve(patterns, (name for name, _ in model.named_modules()))
-    scheduler = config.scheduler_config
-    max_tokens = int(scheduler.max_num_batched_tokens)
-    compilation = config.compilation_config
-    sizes = getattr(compilation, "cudagraph_capture_sizes", None) or ()
-    max_tokens = max([max_tokens, *sizes])
-    bank_rows = 2 * int(scheduler.max_num_seqs) + 16
-    tables = TapTables(sites, max_tokens, config.model_config.get_hidden_size(), bank_rows, runner.device)
+    max_tokens, hidden, max_seqs, device = seams.tap_table_sizes(runner)
+    tables = TapTables(sites, max_tokens, hidden, 2 * max_seqs + 16, device)
     for site, path in enumerate(sites):
         _tap(model.get_submodule(path), site, tables)
     logger.info("vllm-nnsight: taps on %d module(s): %s", len(sites), ", ".join(sites))

@@ -50,19 +50,6 @@ _EAGER_STEPS_ENV = "VLLM_NNSIGHT_EAGER_STEPS"
 nns: Any = None
 
 
-def _whole_prompt(data: Any, scheduler_output: Any) -> bool:
-    """Whether a new request's whole prompt is in this step. A lowered block counts
-    one step per forward; a prompt split by chunked prefill (which the Python path
-    refuses, with its reason) is never lowered."""
-    prompt = getattr(data, "prompt_token_ids", None)
-    scheduled = seams.scheduled_ids(scheduler_output)
-    if prompt is None or not hasattr(scheduled, "get"):
-        return False
-    return int(getattr(data, "num_computed_tokens", 0) or 0) + int(scheduled.get(data.req_id, 0)) >= len(
-        prompt
-    )
-
-
 class WorkerRuntime:
     """Per-runner state: the nnsight tree, the requests with blocks, the current step."""
 
@@ -145,7 +132,10 @@ class WorkerRuntime:
         for data in seams.new_requests(scheduler_output):
             if seams.carries_block(data.sampling_params) and data.req_id not in requests.requests:
                 admit(requests, self.index, data, self.persistent, self.limits, self.model)
-                if tables is not None and _whole_prompt(data, scheduler_output):
+                # A lowered block counts one step per forward; a prompt split by
+                # chunked prefill (the Python path refuses it, with its reason)
+                # is never lowered.
+                if tables is not None and seams.whole_prompt_scheduled(data, scheduler_output):
                     self._lower(requests.requests[data.req_id], tables)
 
     @property
@@ -168,7 +158,7 @@ class WorkerRuntime:
             nns.InterleavingTracer,
             tables.site_of,
             tables.hidden,
-            self.runner.model_config.dtype,
+            seams.model_dtype(self.runner),
             tables.device,
         )
         if steer is not None and tables.add(
