@@ -13,6 +13,7 @@ from vllm import SamplingParams
 
 from tests.conftest import start_llm, stop_llm
 from tests.test_taps import steer_as_python, steer_seeds_loop
+from tests.test_taps_keep import keep_lowered, keep_python
 from vllm_nnsight_plugin import VLLM
 
 PROMPT = "The capital of France is"
@@ -129,6 +130,19 @@ def test_a_lowered_block_keeps_every_step_compiled(compiled):
     assert list(plain[0].outputs[0].token_ids) != list(lowered[0].outputs[0].token_ids)  # it steered
     (stats,) = compiled.collective_rpc("nnsight_stats")
     assert stats["tracked"] == 0 and stats["lowered_now"] == 0
+
+
+def test_a_lowered_capture_keeps_every_step_compiled(compiled):
+    model = VLLM(compiled)
+    before_lowered, before_python = lowered_count(compiled), uncompiled_steps(compiled)
+    kept = keep_lowered(model, 20, 4, 4)
+    assert lowered_count(compiled) - before_lowered == 1
+    assert uncompiled_steps(compiled) == before_python  # the rows came out of compiled steps
+    read = keep_python(model, 20, 4, 4)
+    assert uncompiled_steps(compiled) - before_python == 4
+    assert [t.shape for t in kept] == [t.shape for t in read]
+    for a, b in zip(kept, read, strict=True):  # compiled and Python steps fuse differently
+        assert torch.allclose(a, b, atol=1e-3, rtol=1e-4)
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,9 @@ import torch
 from vllm import SamplingParams
 
 from vllm_nnsight_plugin import VLLM
-from vllm_nnsight_plugin.taps.install import TapTables
-from vllm_nnsight_plugin.taps.lower import steer_form
+from vllm_nnsight_plugin.taps.forms import block_form
+from vllm_nnsight_plugin.taps.install import Lowered, TapTables, returns_tuple
+from vllm_nnsight_plugin.taps.ops import KEEP_FIRST, KEEP_SECOND, KEEP_SUM
 from vllm_nnsight_plugin.taps.spec import TapError, parse, resolve
 
 PROMPT = "The capital of France is"
@@ -50,7 +51,8 @@ def test_patterns_resolve_in_model_order_and_refuse_what_does_not_exist():
     ],
 )
 def test_the_steering_loop_forms_are_recognised(source):
-    assert steer_form(source) is not None
+    form = block_form(source)
+    assert form is not None and form.vector is not None and not form.code
 
 
 @pytest.mark.parametrize(
@@ -72,15 +74,91 @@ def test_the_steering_loop_forms_are_recognised(source):
     ],
 )
 def test_anything_else_runs_as_python(source):
-    assert steer_form(source) is None
+    assert block_form(source) is None
+
+
+KEEP_LOOP = "rows = list().save()\nfor _ in tracer.iter[:8]:\n    rows.append({})\n"
+
+
+@pytest.mark.parametrize(
+    ("source", "code", "select"),
+    [
+        (KEEP_LOOP.format("layer.output[0].clone()"), KEEP_FIRST, None),
+        (KEEP_LOOP.format("model.model.layers[i].output[1].clone()"), KEEP_SECOND, None),
+        (KEEP_LOOP.format("layer.output[0] + layer.output[1]"), KEEP_SUM, None),
+        (
+            KEEP_LOOP.format("(layer.output[1] + layer.output[0]).clone()") + "out = tracer.result.save()\n",
+            KEEP_SUM,
+            None,
+        ),
+        (
+            "rows = list().save()\nfor _ in tracer.all():\n    rows.append(layer.output[0].clone())\n",
+            KEEP_FIRST,
+            None,
+        ),
+        ("first = layer.output[0].clone().save()\n", KEEP_FIRST, None),
+        ("last = layer.output[0][-1].clone().save()\n", KEEP_FIRST, -1),
+        ("last = layer.output[0].clone()[2:4].save()\n", KEEP_FIRST, slice(2, 4)),
+        ("s = (layer.output[0] + layer.output[1])[-1].save()\nout = tracer.result.save()\n", KEEP_SUM, -1),
+    ],
+)
+def test_the_keeping_forms_are_recognised(source, code, select):
+    form = block_form(source)
+    assert form is not None and form.code == code and form.select == select and form.vector is None
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        KEEP_LOOP.format("layer.output[0]"),  # a view of vLLM's buffer: its value may change
+        KEEP_LOOP.format("layer.output[0][-1].clone()"),  # part of the rows
+        KEEP_LOOP.format("layer.output[0].clone().cpu()"),
+        KEEP_LOOP.format("layer.output[0] + other.output[1]"),
+        KEEP_LOOP.format("layer.output[0] - layer.output[1]"),
+        "rows = []\nfor _ in tracer.iter[:8]:\n    rows.append(layer.output[0].clone())\n",
+        "rows = list().save()\nfor _ in tracer.iter[:8]:\n    other.append(layer.output[0].clone())\n",
+        "rows = list().save()\nfor i in tracer.iter[:8]:\n    rows.append(model.model.layers[i].output[0].clone())\n",
+        "first = layer.output[0].save()\n",  # a view
+        "first = layer.output[0][-1].save()\n",
+        "first = layer.output[0][k].clone().save()\n",
+        "first = layer.output[0].clone().save()\nsecond = layer.output[1].clone().save()\n",
+    ],
+)
+def test_other_reads_run_as_python(source):
+    assert block_form(source) is None
+
+
+def test_only_a_forward_that_always_returns_a_tuple_is_read_as_one():
+    class Layer(torch.nn.Module):
+        def forward(self, x):
+            def helper():
+                return x
+
+            return x, helper()
+
+    class Maybe(torch.nn.Module):
+        def forward(self, x):
+            if x.sum() > 0:
+                return x
+            return x, x
+
+    class Plain(torch.nn.Module):
+        def forward(self, x):
+            return x
+
+    assert returns_tuple(Layer) and not returns_tuple(Maybe) and not returns_tuple(Plain)
+
+
+def steering(site, start, stop, result=None):
+    return Lowered(site, start, stop, result)
 
 
 def test_the_tables_point_each_steps_rows_at_their_requests():
     tables = TapTables(
         ("model.layers.0", "model.layers.1"), max_tokens=16, hidden=4, bank_rows=4, device="cpu"
     )
-    assert tables.add("a", "model.layers.1", torch.ones(4), start=0, stop=2, result=None)
-    assert tables.add("b", "model.layers.0", torch.full((1, 4), 2.0), start=1, stop=None, result="out")
+    assert tables.add("a", steering(1, 0, 2), torch.ones(4))
+    assert tables.add("b", steering(0, 1, None, "out"), torch.full((1, 4), 2.0))
     assert tables.idle() is False
     tables.fill(["a", "plain", "b"], [0, 5, 6], [5, 1, 3])  # the prompt step
     want = torch.full((2, 16), -1, dtype=torch.int32)
@@ -101,8 +179,45 @@ def test_the_tables_point_each_steps_rows_at_their_requests():
     tables.fill(["plain"], [0], [1])
     assert torch.equal(tables.slots, torch.full((2, 16), -1, dtype=torch.int32)) and tables.idle()
     for name in "wxyz":
-        assert tables.add(name, "model.layers.0", torch.ones(4), 0, None, None)
-    assert not tables.add("full", "model.layers.0", torch.ones(4), 0, None, None)  # runs as Python
+        assert tables.add(name, steering(0, 0, None), torch.ones(4))
+    assert not tables.add("full", steering(0, 0, None), torch.ones(4))  # runs as Python
+
+
+def test_kept_rows_leave_the_arena_each_step_and_come_back_as_the_loop_builds_them():
+    tables = TapTables(
+        ("model.layers.0", "model.layers.1"), max_tokens=8, hidden=3, bank_rows=2, device="cpu"
+    )
+    keep = Lowered(1, 0, 3, None, code=KEEP_SUM, name="rows")
+    read = Lowered(0, 0, 1, "out", code=KEEP_SECOND, name="last", select=-1, single=True)
+    assert tables.add("k", keep) and tables.add("r", read)
+    assert not tables.add("k", keep)  # one entry per request
+    steps = []
+    for req_ids, starts, counts in [
+        (["k", "p", "r"], [0, 2, 3], [2, 1, 4]),
+        (["p", "k", "r"], [0, 1, 2], [1, 1, 1]),
+    ]:
+        tables.fill(req_ids, starts, counts)
+        hidden, residual = torch.randn(8, 3), torch.randn(8, 3)
+        torch.ops.vllm_nnsight.keep(hidden, residual, tables.codes, tables.arena, 1)
+        torch.ops.vllm_nnsight.keep(hidden, residual, tables.codes, tables.arena, 0)
+        tables.after_forward()
+        steps.append((hidden, residual))
+    (h0, r0), (h1, r1) = steps
+    kept = tables.forget("k").saves(torch.device("cpu"))["rows"]
+    assert kept.unstack()[0].shape == (2, 3) and len(kept.unstack()) == 2
+    assert torch.equal(kept.unstack()[0], h0[0:2] + r0[0:2]) and torch.equal(
+        kept.unstack()[1], h1[1:2] + r1[1:2]
+    )
+    last = tables.forget("r").saves(torch.device("cpu"))
+    assert torch.equal(last["last"], r0[6]) and last["last"].shape == (3,)
+    assert tables.kept.rows == 2 + 4 + 1 and tables.idle() is False
+    tables.fill([], [], [])
+    assert tables.idle() and torch.equal(tables.codes, torch.zeros_like(tables.codes))
+
+
+def test_a_tap_whose_forward_may_not_return_a_tuple_takes_no_lowered_request():
+    tables = TapTables(("model.norm",), 4, 2, 2, "cpu", tuple_sites=frozenset())
+    assert not tables.add("a", steering(0, 0, None), torch.ones(2))
 
 
 # ---------------------------------------------------------------- on the engine

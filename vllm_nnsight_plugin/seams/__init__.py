@@ -273,6 +273,7 @@ from .worker import (  # noqa: E402
     sampled_ids,
     sampler_of,
     scheduled_ids,
+    scheduled_rows,
     set_sampled_ids,
     skip_compiled_forward,
     tap_table_sizes,
@@ -344,5 +345,6 @@ __all__ = [
     "tap_table_sizes",
     "tokenizer_of",
     "whole_prompt_scheduled",
+    "scheduled_rows",
     "worker",
 ]

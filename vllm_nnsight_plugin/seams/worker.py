@@ -217,6 +217,12 @@ def whole_prompt_scheduled(data: Any, scheduler_output: Any) -> bool:
     )
 
 
+def scheduled_rows(data: Any, scheduler_output: Any) -> int:
+    """How many token rows a new request (``NewRequestData``) has in this step."""
+    scheduled = scheduled_ids(scheduler_output)
+    return int(scheduled.get(data.req_id, 0)) if hasattr(scheduled, "get") else 0
+
+
 def model_dtype(runner: Any) -> Any:
     return runner.model_config.dtype
 

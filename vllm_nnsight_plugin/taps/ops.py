@@ -1,13 +1,21 @@
-"""The operation at each tap: add each row's steering vector, if it has one.
+"""The operations at each tap: add each row's steering vector, keep each row asked for.
 
 ``torch.ops.vllm_nnsight.steer(hidden, slots, bank, site)`` returns ``hidden``
 with ``bank[slots[site, row]]`` added to every row whose slot is not -1; other
-rows are copied bit for bit. It is a ``torch.library`` custom op with a fake
-implementation, so torch.compile keeps it whole (one opaque call in the graph)
-and a CUDA graph records its kernels, which read the tables' current contents at
-every replay. The addition is what ``hidden[:] += vector`` does in a block: in
-float32, rounded once to ``hidden``'s dtype (the bank holds the vector's values
-exactly, in float32).
+rows are copied bit for bit. The addition is what ``hidden[:] += vector`` does in
+a block: in float32, rounded once to ``hidden``'s dtype (the bank holds the
+vector's values exactly, in float32).
+
+``torch.ops.vllm_nnsight.keep(first, second, codes, arena, site)`` writes into
+``arena`` the rows whose code at this site asks for one: ``first`` (code 1),
+``second`` (code 2) or ``first + second`` (code 3, the residual stream leaving a
+decoder layer, computed by the same addition a block's ``hidden + residual``
+runs). Other arena rows are left as they were, so one arena serves every tap
+(a request keeps rows at one tap only).
+
+Both are ``torch.library`` custom ops with fake implementations, so
+torch.compile keeps each whole (one opaque call in the graph) and a CUDA graph
+records their kernels, which read the tables' current contents at every replay.
 """
 
 from __future__ import annotations
@@ -15,6 +23,9 @@ from __future__ import annotations
 import torch
 
 NAMESPACE = "vllm_nnsight"
+
+#: What ``keep`` writes for a row, by code.
+KEEP_FIRST, KEEP_SECOND, KEEP_SUM = 1, 2, 3
 
 
 @torch.library.custom_op(f"{NAMESPACE}::steer", mutates_args=())
@@ -28,3 +39,20 @@ def steer(hidden: torch.Tensor, slots: torch.Tensor, bank: torch.Tensor, site: i
 @steer.register_fake
 def _(hidden: torch.Tensor, slots: torch.Tensor, bank: torch.Tensor, site: int) -> torch.Tensor:
     return torch.empty_like(hidden)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::keep", mutates_args=("arena",))
+def keep(
+    first: torch.Tensor, second: torch.Tensor, codes: torch.Tensor, arena: torch.Tensor, site: int
+) -> None:
+    rows = first.shape[0]
+    code = codes[site, :rows].unsqueeze(-1)
+    value = torch.where(code == KEEP_SECOND, second, first)
+    value = torch.where(code == KEEP_SUM, first + second, value)
+    kept = arena[:rows]
+    kept.copy_(torch.where(code > 0, value.to(arena.dtype), kept))
+
+
+@keep.register_fake
+def _(first: torch.Tensor, second: torch.Tensor, codes: torch.Tensor, arena: torch.Tensor, site: int) -> None:
+    return None

@@ -46,6 +46,9 @@ _FALSY = {"", "0", "false", "no", "off"}
 #: ``0`` keeps every step compiled: a module location is then refused, not served.
 _EAGER_STEPS_ENV = "VLLM_NNSIGHT_EAGER_STEPS"
 
+#: Stands in a lowered request's saves for its finished output (``tracer.result``).
+_OUTPUT = object()
+
 #: The worker's nnsight adapter, imported with the first block (``_build``).
 nns: Any = None
 
@@ -136,34 +139,33 @@ class WorkerRuntime:
                 # chunked prefill (the Python path refuses it, with its reason)
                 # is never lowered.
                 if tables is not None and seams.whole_prompt_scheduled(data, scheduler_output):
-                    self._lower(requests.requests[data.req_id], tables)
+                    rows = seams.scheduled_rows(data, scheduler_output)
+                    self._lower(requests.requests[data.req_id], tables, rows)
 
     @property
     def tables(self) -> Any:
         """This runner's tap tables, or None for an engine without taps."""
         return self.runner.__dict__.get(RUNNER_ATTR)
 
-    def _lower(self, request: Any, tables: Any) -> None:
+    def _lower(self, request: Any, tables: Any, rows: int) -> None:
         """Put a request on the tap tables instead of running its block as Python,
-        when its block is exactly a form they express (``taps/lower.py``)."""
+        when its block is exactly a form they express (``taps/lower.py``); ``rows``
+        is how many token rows its first step has."""
         from ..taps.lower import lower
 
         mediator = request.mediator
         if mediator is None or request.copies or request.index != 0 or request.engine_id != request.stem:
             return
-        steer = lower(
+        lowering = lower(
             nns.block_source(mediator),
             nns.block_scope(mediator),
             self.model,
             nns.InterleavingTracer,
-            tables.site_of,
-            tables.hidden,
+            tables,
             seams.model_dtype(self.runner),
-            tables.device,
+            rows,
         )
-        if steer is not None and tables.add(
-            request.id, steer.site, steer.vector, steer.start, steer.stop, steer.result
-        ):
+        if lowering is not None and tables.add(request.id, lowering.lowered, lowering.vector):
             request.mediator = None  # nothing of it runs as Python
             self.lowered += 1
 
@@ -275,6 +277,8 @@ class WorkerRuntime:
             return None
         if self.kernels is not None:
             self.kernels.restore()  # the forward is over
+        if step.taps_filled:
+            self.tables.after_forward()
         if step.phase is Phase.SCHEDULED:
             self._start(step)
         if step.phase is not Phase.FORWARD:
@@ -338,10 +342,16 @@ class WorkerRuntime:
         lowered = self._forget_lowered(request_ids)
         reporting = seams.reports_saves()
         entries = wind_up(self.requests, self.model, self.index, request_ids, finished, reporting)
-        if reporting and finished:
-            for engine_id, result in lowered:
-                if engine_id in entries and engine_id in finished:
-                    entries[engine_id]["saves"][result] = finished[engine_id]
+        if reporting:
+            for engine_id, saves in lowered.items():
+                if engine_id not in entries:
+                    continue
+                for name, value in saves.items():
+                    if value is _OUTPUT:
+                        if not finished or engine_id not in finished:
+                            continue
+                        value = finished[engine_id]
+                    entries[engine_id]["saves"][name] = value
         self.uncollected.forget(self.requests.requests)
         if any(entry.get("saves") or entry.get("sequences") for entry in entries.values()):
             synchronize_device()
@@ -350,26 +360,28 @@ class WorkerRuntime:
         parts = [pack(rid, entries.get(rid), self.limits, miss, pooler) for rid in request_ids]
         return parts + pool_part(pooler)
 
-    def _forget_lowered(self, request_ids: list[str]) -> list[tuple[str, str]]:
-        """Free the bank rows of the lowered requests asked about; (id, result name) of
-        those whose block saved the finished output and got that far (as Python,
-        the line after the loop runs only once the loop's last step has)."""
+    def _forget_lowered(self, request_ids: list[str]) -> dict[str, dict[str, Any]]:
+        """Free the table entries of the lowered requests asked about; per engine id,
+        what their blocks saved: kept rows, and the finished output under the
+        result's name for a block that got that far (as Python, the line after the
+        loop runs only once the loop's last step has; ``"output"`` stands for it
+        until the output is at hand)."""
         tables = self.tables
         if tables is None or not tables.requests:
-            return []
-        results = []
+            return {}
+        saved: dict[str, dict[str, Any]] = {}
         for asked in request_ids:
             for internal in self.index.answering(asked):
                 done = tables.forget(internal)
                 request = self.requests.requests.get(internal)
-                if (
-                    done is not None
-                    and done.result is not None
-                    and request is not None
-                    and done.finished_loop()
-                ):
-                    results.append((request.engine_id, done.result))
-        return results
+                if done is None or request is None:
+                    continue
+                saves = done.saves(tables.device)
+                if done.result is not None and (done.finished_loop() or done.single):
+                    saves[done.result] = _OUTPUT
+                if saves:
+                    saved.setdefault(request.engine_id, {}).update(saves)
+        return saved
 
     def _compiled_miss(self) -> str:
         """Why a module location was never reached on this compiled engine."""

@@ -1,0 +1,160 @@
+"""Kept rows on the taps: the capture loop and the first-step read, lowered, against
+the same reads run as Python on the session engine (eager, fp32, tapped at layers
+10 and 20), where the two must agree bit for bit for a request traced alone."""
+
+from __future__ import annotations
+
+import torch
+
+PROMPT = "The capital of France is"
+
+
+def stats(llm) -> dict:
+    (found,) = llm.collective_rpc("nnsight_stats")
+    return found
+
+
+# Each block twice: in a form the taps run, and written so that it runs as Python
+# (a second statement). Separate functions: an invoke's saves must be made in the
+# trace's own frame.
+def keep_lowered(model, layer, steps, tokens):
+    with model.trace(PROMPT, temperature=0.0, max_tokens=tokens) as tracer:
+        hidden = list().save()
+        for _ in tracer.iter[:steps]:
+            hidden.append(model.model.layers[layer].output[0].clone())
+    return hidden
+
+
+def keep_python(model, layer, steps, tokens):
+    with model.trace(PROMPT, temperature=0.0, max_tokens=tokens) as tracer:
+        hidden = list().save()
+        for _ in tracer.iter[:steps]:
+            out = model.model.layers[layer].output
+            hidden.append(out[0].clone())
+    return hidden
+
+
+def stream_lowered(model, layer, tokens):
+    with model.trace(PROMPT, temperature=0.0, max_tokens=tokens) as tracer:
+        stream = list().save()
+        for _ in tracer.all():
+            stream.append(model.model.layers[layer].output[0] + model.model.layers[layer].output[1])
+        out = tracer.result.save()
+    try:
+        return stream, out
+    except UnboundLocalError:  # after tracer.all() the line after the loop never runs
+        return stream, None
+
+
+def stream_python(model, layer, tokens):
+    with model.trace(PROMPT, temperature=0.0, max_tokens=tokens) as tracer:
+        stream = list().save()
+        for _ in tracer.all():
+            hidden, residual = model.model.layers[layer].output
+            stream.append(hidden + residual)
+        out = tracer.result.save()
+    try:
+        return stream, out
+    except UnboundLocalError:  # after tracer.all() the line after the loop never runs
+        return stream, None
+
+
+def residual_lowered(model, layer, tokens):
+    with model.trace(PROMPT, temperature=0.0, max_tokens=tokens) as tracer:
+        residual = list().save()
+        for _ in tracer.iter[1:]:
+            residual.append(model.model.layers[layer].output[1].clone())
+    return residual
+
+
+def residual_python(model, layer, tokens):
+    with model.trace(PROMPT, temperature=0.0, max_tokens=tokens) as tracer:
+        residual = list().save()
+        for _ in tracer.iter[1:]:
+            out = model.model.layers[layer].output
+            residual.append(out[1].clone())
+    return residual
+
+
+def first_lowered(model, tokens):
+    with model.trace(PROMPT, temperature=0.0, max_tokens=tokens) as tracer:
+        last = model.model.layers[10].output[0][-1].clone().save()
+        out = tracer.result.save()
+    return last, out
+
+
+def first_python(model, tokens):
+    with model.trace(PROMPT, temperature=0.0, max_tokens=tokens) as tracer:
+        hidden = model.model.layers[10].output[0]
+        last = hidden[-1].clone().save()
+        out = tracer.result.save()
+    return last, out
+
+
+def same_list(got, want) -> None:
+    assert type(got) is list and len(got) == len(want)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+        assert torch.equal(a, b)
+
+
+def test_the_capture_loop_is_lowered_and_keeps_what_python_keeps_bit_for_bit(smollm2_llm, smol):
+    before = stats(smollm2_llm)
+    lowered = keep_lowered(smol, 10, 4, 4)
+    middle = stats(smollm2_llm)
+    python = keep_python(smol, 10, 4, 4)
+    after = stats(smollm2_llm)
+    assert middle["lowered"] - before["lowered"] == 1 and after["lowered"] == middle["lowered"]
+    assert middle["kept_rows"] - before["kept_rows"] == lowered[0].shape[0] + 3
+    assert [t.shape[0] for t in lowered] == [python[0].shape[0], 1, 1, 1]
+    same_list(lowered, python)
+    # a loop longer than the request: cut short on both paths, with what ran
+    same_list(keep_lowered(smol, 20, 10, 3), keep_python(smol, 20, 10, 3))
+    # the residual, from the second step on
+    same_list(residual_lowered(smol, 20, 4), residual_python(smol, 20, 4))
+
+
+def test_the_residual_stream_sum_is_kept_every_step_and_tracer_result_follows(smollm2_llm, smol):
+    (got, got_out), (want, want_out) = stream_lowered(smol, 20, 3), stream_python(smol, 20, 3)
+    same_list(got, want)
+    assert len(got) == 3
+    assert got_out is None and want_out is None  # the line after tracer.all(): never run
+
+
+def test_a_read_on_the_first_step_only_is_lowered(smollm2_llm, smol):
+    before = stats(smollm2_llm)["lowered"]
+    (last, out), (want, want_out) = first_lowered(smol, 3), first_python(smol, 3)
+    assert stats(smollm2_llm)["lowered"] - before == 1
+    assert last.shape == (576,) and torch.equal(last, want)
+    assert list(out.outputs[0].token_ids) == list(want_out.outputs[0].token_ids)
+
+
+def test_kept_and_other_requests_in_one_trace(smollm2_llm, smol):
+    """Batched with a Python block, a steered request and a plain one: the kept rows
+    match a Python block's in the same trace (same batch, same arithmetic)."""
+    torch.manual_seed(3)
+    vector = torch.randn(576)
+    before = stats(smollm2_llm)["lowered"]
+    with smol.trace(temperature=0.0, max_tokens=4) as tracer:
+        with tracer.invoke(PROMPT):
+            kept = list().save()
+            for _ in tracer.iter[:4]:
+                kept.append(smol.model.layers[10].output[0].clone())
+        with tracer.invoke(PROMPT):
+            read = list().save()
+            for _ in tracer.iter[:4]:
+                out = smol.model.layers[10].output
+                read.append(out[0].clone())
+        with tracer.invoke("Water boils at"):
+            for _ in tracer.iter[:4]:
+                smol.model.layers[10].output[0][:] += 4.0 * vector
+        with tracer.invoke("Water boils at"):
+            first = smol.model.layers[20].output[0][-1].clone().save()
+        with tracer.invoke("Water boils at"):
+            plain = tracer.result.save()
+    assert stats(smollm2_llm)["lowered"] - before == 3
+    assert [t.shape for t in kept] == [t.shape for t in read]
+    for a, b in zip(kept, read):
+        assert torch.allclose(a, b, atol=1e-5, rtol=0)
+    assert first.shape == (576,) and len(plain.outputs[0].token_ids) == 4
+    assert stats(smollm2_llm)["tracked"] == 0

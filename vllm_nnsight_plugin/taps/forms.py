@@ -1,0 +1,373 @@
+"""The shapes of block that the tap tables can run, read from a block's source alone.
+
+A block is lowered only when its whole source is one of these, statement for
+statement; anything else, down to one more statement, runs as Python:
+
+    for _ in tracer.iter[a:b]:          # steering (or tracer.all())
+        <tap>.output[0][:] += <vector>
+
+    rows = list().save()                # keeping a tap's rows every step
+    for _ in tracer.iter[a:b]:
+        rows.append(<kept>)
+
+    first = <kept>[<index>].save()      # a read on the first step only (index optional)
+
+each optionally followed by ``out = tracer.result.save()``. ``<tap>`` is a module
+path (``model.model.layers[10]``, ``[layer]`` with a captured whole number, or a
+captured node of the tree); ``<kept>`` is ``<tap>.output[0].clone()``,
+``<tap>.output[1].clone()`` or ``<tap>.output[0] + <tap>.output[1]`` (the
+residual stream, optionally ``.clone()``d); ``<vector>`` is ``+ - * /`` over
+numbers and captured names. Forms are cached per source; what the names hold is
+checked at admission (``lower.py``).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+from .ops import KEEP_FIRST, KEEP_SECOND, KEEP_SUM
+
+_ARITHMETIC = (ast.Add, ast.Sub, ast.Mult, ast.Div)
+
+
+@dataclass(frozen=True)
+class Index:
+    """A whole number written as a name (``layers[layer]``, ``iter[:steps]``), read at admission."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class Form:
+    """A lowerable block's shape."""
+
+    tracer: str | None  # None: a body read, which needs no tracer
+    start: Any  # a whole number, or an Index naming one
+    stop: Any  # the same, or None: every step
+    tap: tuple  # the module path as written: a root name, then attributes and indices
+    result: str | None  # the name ``tracer.result.save()`` is assigned to
+    # steering
+    vector: ast.Expression | None = None
+    names: frozenset[str] = frozenset()  # names the vector reads
+    # keeping
+    code: int = 0
+    kept: str | None = None  # the name the kept rows are saved under
+    select: Any = None  # a body read's index (an int or a slice), or None
+    single: bool = False
+
+
+@functools.lru_cache(maxsize=1024)
+def block_form(source: str) -> Form | None:
+    try:
+        body = ast.parse(source).body
+    except SyntaxError:
+        return None
+    result = None
+    if len(body) >= 2:
+        result = _result_save(body[-1])
+        if result is not None:
+            body = body[:-1]
+    form = _steering(body) or _keeping(body) or _first_read(body)
+    if form is None:
+        return None
+    if result is not None:
+        if form.tracer is not None and result[0] != form.tracer:
+            return None
+        if result[1] in (form.kept, form.tracer):
+            return None
+        form = Form(**{**form.__dict__, "tracer": result[0], "result": result[1]})
+    return form
+
+
+def _steering(body: list[ast.stmt]) -> Form | None:
+    if len(body) != 1:
+        return None
+    loop = _loop(body[0])
+    if loop is None:
+        return None
+    tracer, start, stop, target, edit = loop
+    if not (
+        isinstance(edit, ast.AugAssign)
+        and isinstance(edit.op, ast.Add)
+        and _is_full_slice(edit.target)
+        and _output(edit.target.value) == 0
+    ):
+        return None
+    tap = _module_path(edit.target.value.value.value)
+    names = _vector_names(edit.value)
+    if tap is None or names is None:
+        return None
+    if _reads(tap, start, stop) & {target, tracer} or names & {target, tracer}:
+        return None
+    vector = ast.Expression(body=edit.value)
+    ast.fix_missing_locations(vector)
+    return Form(tracer, start, stop, tap, None, vector=vector, names=frozenset(names))
+
+
+def _keeping(body: list[ast.stmt]) -> Form | None:
+    if len(body) != 2:
+        return None
+    kept = _assigned(body[0])
+    if kept is None or not _is_empty_list_saved(body[0].value):
+        return None
+    loop = _loop(body[1])
+    if loop is None:
+        return None
+    tracer, start, stop, target, statement = loop
+    call = statement.value if isinstance(statement, ast.Expr) else None
+    if not (
+        isinstance(call, ast.Call)
+        and len(call.args) == 1
+        and not call.keywords
+        and isinstance(call.func, ast.Attribute)
+        and call.func.attr == "append"
+        and isinstance(call.func.value, ast.Name)
+        and call.func.value.id == kept
+    ):
+        return None
+    value = _kept_value(call.args[0])
+    if value is None:
+        return None
+    tap, code = value
+    if _reads(tap, start, stop) & {target, tracer, kept}:
+        return None
+    return Form(tracer, start, stop, tap, None, code=code, kept=kept)
+
+
+def _first_read(body: list[ast.stmt]) -> Form | None:
+    """``first = <kept>[<index>].save()``: the body runs on the first step only."""
+    if len(body) != 1:
+        return None
+    kept = _assigned(body[0])
+    call = body[0].value if kept is not None else None
+    if not (
+        isinstance(call, ast.Call)
+        and not call.args
+        and not call.keywords
+        and isinstance(call.func, ast.Attribute)
+        and call.func.attr == "save"
+    ):
+        return None
+    node, select = call.func.value, None  # what ``.save()`` is called on
+    value = _kept_value(node)
+    if value is None and _is_clone(node) and isinstance(node.func.value, ast.Subscript):
+        indexed = node.func.value  # <output>[i].clone(): indexed, then copied
+        select = _constant_index(indexed.slice)
+        value = None if select is None else _tap_value(indexed.value)
+    elif value is None and isinstance(node, ast.Subscript):
+        select = _constant_index(node.slice)  # <copy>[i]: copied, then indexed
+        value = None if select is None else _kept_value(node.value)
+    if value is None:
+        return None
+    tap, code = value
+    if kept in _reads(tap, 0, 1):
+        return None
+    return Form(None, 0, 1, tap, None, code=code, kept=kept, select=select, single=True)
+
+
+# ---------------------------------------------------------------- parts
+def _loop(node: ast.stmt) -> tuple[str, Any, Any, str, ast.stmt] | None:
+    """``for <name> in tracer.iter[a:b]:`` with one statement -> its parts."""
+    if (
+        not isinstance(node, ast.For)
+        or node.orelse
+        or len(node.body) != 1
+        or not isinstance(node.target, ast.Name)
+    ):
+        return None
+    steps = _steps(node.iter)
+    if steps is None:
+        return None
+    tracer, start, stop = steps
+    return tracer, start, stop, node.target.id, node.body[0]
+
+
+def _assigned(node: ast.stmt) -> str | None:
+    if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+        return node.targets[0].id
+    return None
+
+
+def _is_empty_list_saved(node: ast.expr) -> bool:
+    """``list().save()``."""
+    return (
+        isinstance(node, ast.Call)
+        and not node.args
+        and not node.keywords
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "save"
+        and isinstance(node.func.value, ast.Call)
+        and isinstance(node.func.value.func, ast.Name)
+        and node.func.value.func.id == "list"
+        and not node.func.value.args
+        and not node.func.value.keywords
+    )
+
+
+def _is_clone(node: ast.expr) -> bool:
+    return (
+        isinstance(node, ast.Call)
+        and not node.args
+        and not node.keywords
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "clone"
+    )
+
+
+def _kept_value(node: ast.expr) -> tuple[tuple, int] | None:
+    """A new tensor holding a tap's output -> (module path, ``ops.keep`` code):
+    ``<tap>.output[i].clone()``, or the sum of its two outputs (``.clone()`` or not)."""
+    if _is_clone(node):
+        return _tap_value(node.func.value)
+    value = _tap_value(node)
+    return value if value is not None and value[1] == KEEP_SUM else None
+
+
+def _tap_value(node: ast.expr) -> tuple[tuple, int] | None:
+    """``<tap>.output[0]``, ``<tap>.output[1]`` or their sum -> (module path, code)."""
+    if _output(node) in (0, 1):
+        tap = _module_path(node.value.value)
+        return None if tap is None else (tap, KEEP_FIRST if _output(node) == 0 else KEEP_SECOND)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = node.left, node.right
+        if {_output(left), _output(right)} == {0, 1}:
+            tap, other = _module_path(left.value.value), _module_path(right.value.value)
+            if tap is not None and tap == other:
+                return tap, KEEP_SUM
+    return None
+
+
+def _output(node: ast.expr) -> int | None:
+    """``<module>.output[i]`` -> i."""
+    if (
+        isinstance(node, ast.Subscript)
+        and isinstance(node.slice, ast.Constant)
+        and type(node.slice.value) is int
+        and isinstance(node.value, ast.Attribute)
+        and node.value.attr == "output"
+    ):
+        return node.slice.value
+    return None
+
+
+def _constant_index(node: ast.expr) -> Any:
+    """``-1``, ``3`` or ``a:b`` of whole-number constants -> the index; None otherwise."""
+    if isinstance(node, ast.Slice):
+        if node.step is not None:
+            return None
+        bounds = [None if part is None else _int(part) for part in (node.lower, node.upper)]
+        if any(part is not None and bound is None for part, bound in zip((node.lower, node.upper), bounds)):
+            return None
+        return slice(*bounds)
+    return _int(node)
+
+
+def _int(node: ast.expr) -> int | None:
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        inner = _int(node.operand)
+        return None if inner is None else -inner
+    return None
+
+
+def _result_save(node: ast.stmt) -> tuple[str, str] | None:
+    """``out = tracer.result.save()`` -> (tracer, out)."""
+    name = _assigned(node)
+    call = node.value if name is not None else None
+    if not (isinstance(call, ast.Call) and not call.args and not call.keywords):
+        return None
+    func = call.func
+    if not (
+        isinstance(func, ast.Attribute) and func.attr == "save" and isinstance(func.value, ast.Attribute)
+    ):
+        return None
+    if func.value.attr != "result" or not isinstance(func.value.value, ast.Name):
+        return None
+    return func.value.value.id, name
+
+
+def _steps(node: ast.expr) -> tuple[str, Any, Any] | None:
+    """``tracer.iter[a:b]`` or ``tracer.all()`` -> (tracer, first step, stop)."""
+    if isinstance(node, ast.Call) and not node.args and not node.keywords:
+        func = node.func
+        if isinstance(func, ast.Attribute) and func.attr == "all" and isinstance(func.value, ast.Name):
+            return func.value.id, 0, None
+        return None
+    if not (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute)):
+        return None
+    if node.value.attr != "iter" or not isinstance(node.value.value, ast.Name):
+        return None
+    window = node.slice
+    if not isinstance(window, ast.Slice) or window.step is not None:
+        return None
+    start = _whole(window.lower, 0)
+    stop = _whole(window.upper, None)
+    if start is None or (window.upper is not None and stop is None):
+        return None
+    return node.value.value.id, start, stop
+
+
+def _whole(node: ast.expr | None, default: int | None) -> Any:
+    """A whole number, or a name to read one from at admission (``tracer.iter[:steps]``)."""
+    if node is None:
+        return default
+    if isinstance(node, ast.Constant) and type(node.value) is int and node.value >= 0:
+        return node.value
+    if isinstance(node, ast.Name):
+        return Index(node.id)
+    return None
+
+
+def _is_full_slice(node: ast.expr) -> bool:
+    return (
+        isinstance(node, ast.Subscript)
+        and isinstance(node.slice, ast.Slice)
+        and node.slice.lower is None
+        and node.slice.upper is None
+        and node.slice.step is None
+    )
+
+
+def _module_path(node: ast.expr) -> tuple | None:
+    """``model.model.layers[10]`` -> ("model", "model", "layers", 10); None otherwise."""
+    parts: list = []
+    while True:
+        if isinstance(node, ast.Name):
+            return (node.id, *reversed(parts))
+        if isinstance(node, ast.Attribute):
+            parts.append(node.attr)
+            node = node.value
+        elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+            index = node.slice.value
+            if type(index) is not int or index < 0:
+                return None
+            parts.append(index)
+            node = node.value
+        elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Name):
+            parts.append(Index(node.slice.id))  # a captured whole number, read at admission
+            node = node.value
+        else:
+            return None
+
+
+def _reads(tap: tuple, start: Any, stop: Any) -> set[str]:
+    """The names a module path and a step window read."""
+    return {tap[0]} | {part.name for part in (*tap[1:], start, stop) if isinstance(part, Index)}
+
+
+def _vector_names(node: ast.expr) -> set[str] | None:
+    """The names an arithmetic expression of names and numbers reads; None otherwise."""
+    if isinstance(node, ast.Name):
+        return {node.id}
+    if isinstance(node, ast.Constant):
+        return set() if type(node.value) in (int, float) else None
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        return _vector_names(node.operand)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, _ARITHMETIC):
+        left, right = _vector_names(node.left), _vector_names(node.right)
+        return None if left is None or right is None else left | right
+    return None
