@@ -16,6 +16,8 @@ Engines (MODEL_DIR holds a config and tokenizer; weights are ``load_format="dumm
 - ``on-taps``     plugin, graphed engine with layer 18 tapped: the steering block is
                   lowered onto the tap (``taps/``), the rest runs as on ``on-graphs``
 - ``nnsight``     nnsight 0.8.1's own vLLM integration (eager; plugin off)
+- ``hotwire``     hotwire-vllm 0.1.2 (wheel in ``.vllmkit/anchors``), steering the same
+                  layer; its ``steer`` rows are against its own ``plain`` (plugin off)
 - ``hf``          nnsight on HF transformers (``LanguageModel``), the usual baseline
 - ``profile``     the plugin, eager, engine and worker in one process under cProfile
 - ``profile-graphs`` the same on the graphed engine (one-token traces beside plain
@@ -30,8 +32,11 @@ x 1 token, ``sweep`` the same in one trace, each invoke keeping one layer's last
 row (how activations are extracted for probes and SAEs), ``trace1`` one prompt,
 one token, saving the logits (latency), ``steer`` add a vector to one layer's
 output at every step (64 x 128), ``capture`` keep one layer's output for every
-token (1,000 x 128; 64 x 128 for the anchors), ``lens`` the logit lens over every
-layer for one prompt, one batched unembed (latency).
+token (1,000 x 128; 64 x 128 for the anchors), ``prompt_read`` keep one layer's
+last prompt row, then generate (64 x 128), ``lens`` the logit lens over every
+layer for one prompt, one batched unembed (latency). On ``on-taps``,
+``taps_check`` and ``capture_check`` compare the lowered steering and capture with
+the same blocks written to run as Python.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ import statistics
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 PROMPT_LEN, TOKENS, CONCURRENT, MANY, SWEEP, WIDE = 32, 128, 64, 1000, 1024, 256
@@ -141,6 +147,41 @@ def capture(model, batch, tokens) -> int:
                     rows.append(layer.output[0].clone())
     per_request = rows if len(batch) > 1 else [rows]
     return sum(sum(r.shape[0] for r in kept) for kept in per_request)
+
+
+def capture_python(model, batch, tokens) -> list:
+    """The same capture written so that it runs as Python (two statements)."""
+    layer = model.model.layers[LAYER]
+    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+        for ids in batch:
+            with tracer.invoke(ids):
+                rows = list().save()
+                for _ in tracer.iter[:tokens]:
+                    hidden = layer.output[0]
+                    rows.append(hidden.clone())
+    return rows
+
+
+def capture_rows(model, batch, tokens) -> list:
+    """The capture block (lowered on a tapped engine); each request's kept rows."""
+    layer = model.model.layers[LAYER]
+    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+        for ids in batch:
+            with tracer.invoke(ids):
+                rows = list().save()
+                for _ in tracer.iter[:tokens]:
+                    rows.append(layer.output[0].clone())
+    return rows
+
+
+def prompt_read(model, batch, tokens) -> list:
+    """Each request keeps one layer's last prompt row (a sweep's read), then generates."""
+    layer = model.model.layers[LAYER]
+    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+        for ids in batch:
+            with tracer.invoke(ids):
+                last = layer.output[0][-1].clone().save()
+    return last
 
 
 def lens(model, ids):
@@ -259,6 +300,29 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
         wide = prompts(WIDE)
         wall = timed(lambda: steer(model, wide, TOKENS, vector))
         result(engine=name, job="steer256", tok_s=round(WIDE * TOKENS / wall, 1))
+        (before,) = llm.collective_rpc("nnsight_stats")
+        lowered_rows = capture_rows(model, few[:8], 16)
+        python_rows = capture_python(model, few[:8], 16)
+        (after,) = llm.collective_rpc("nnsight_stats")
+        errors = [  # relative to the Python rows' size (a dummy model's rows can be tiny)
+            float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-300))
+            for lo, py in zip(lowered_rows, python_rows)
+            for a, b in zip(lo, py)
+        ]
+        result(
+            engine=name,
+            job="capture_check",
+            lowered=after["lowered"] - before["lowered"],
+            same_shapes=sum(
+                [t.shape for t in lo] == [t.shape for t in py] for lo, py in zip(lowered_rows, python_rows)
+            ),
+            max_rel_err=float(f"{max(errors):.3g}"),
+            of=len(lowered_rows),
+        )
+    prompt_read(model, few[:4], 8)
+    for _ in range(max(1, repeats // 2)):
+        wall = timed(lambda: prompt_read(model, few, TOKENS))
+        result(engine=name, job="prompt_read", tok_s=round(CONCURRENT * TOKENS / wall, 1))
     n = MANY if kind in ("graphs", "taps") else CONCURRENT
     kept = []
     wall = timed(lambda: kept.append(capture(model, prompts(n), TOKENS)))
@@ -276,6 +340,44 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
     result(engine=name, job="sweep", ms=round(1000 * statistics.median(walls), 1))
     (stats,) = llm.collective_rpc("nnsight_stats")
     result(engine=name, job="stats", **stats)
+
+
+def hotwire_engine(path: str, repeats: int) -> None:
+    """hotwire-vllm 0.1.2 (a Triton op in every decoder layer, graphs kept), steering
+    the same layer with the same vector through its own request spec."""
+    import tempfile
+
+    import torch
+    from vllm import LLM, SamplingParams
+
+    vectors = Path(tempfile.mkdtemp())
+    torch.save(unit_vector(path).cpu(), vectors / "bench.pt")
+    os.environ["HOTWIRE_VECTORS"] = str(vectors)
+    t0 = time.perf_counter()
+    llm = LLM(path, **ENGINE)
+    result(engine="hotwire", job="startup", s=round(time.perf_counter() - t0, 1))
+    spec = json.dumps({"id": "bench", "layer": LAYER, "scale": 1.0})
+    plain = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True, detokenize=False)
+    steered = SamplingParams(
+        temperature=0.0, max_tokens=TOKENS, ignore_eos=True, detokenize=False, extra_args={"hotwire": spec}
+    )
+    few, wide = prompts(CONCURRENT), prompts(WIDE)
+    llm.generate(few[:8], steered, use_tqdm=False)
+    for _ in range(repeats):
+        wall = timed(lambda: llm.generate(few, plain, use_tqdm=False))
+        result(engine="hotwire", job="plain", tok_s=round(CONCURRENT * TOKENS / wall, 1))
+        wall = timed(lambda: llm.generate(few, steered, use_tqdm=False))
+        result(engine="hotwire", job="steer", tok_s=round(CONCURRENT * TOKENS / wall, 1))
+    wall = timed(lambda: llm.generate(wide, plain, use_tqdm=False))
+    result(engine="hotwire", job="plain256", tok_s=round(WIDE * TOKENS / wall, 1))
+    wall = timed(lambda: llm.generate(wide, steered, use_tqdm=False))
+    result(engine="hotwire", job="steer256", tok_s=round(WIDE * TOKENS / wall, 1))
+    steered_ids = llm.generate(few[:8], steered, use_tqdm=False)
+    plain_ids = llm.generate(few[:8], plain, use_tqdm=False)
+    changed = sum(
+        list(a.outputs[0].token_ids) != list(b.outputs[0].token_ids) for a, b in zip(steered_ids, plain_ids)
+    )
+    result(engine="hotwire", job="steer_check", steered=changed, of=8)
 
 
 def nnsight_engine(path: str) -> None:
@@ -389,6 +491,15 @@ def run(out: Path, path: str, engines: list[str], repeats: int) -> None:
         env = dict(os.environ)
         if name.startswith("profile"):
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        elif name == "hotwire":  # its wheel, unpacked for this process only
+            site = out / "hotwire-site"
+            wheels = sorted(Path(".vllmkit/anchors").glob("hotwire_vllm-*.whl"))
+            if not wheels:
+                print("# hotwire: no wheel in .vllmkit/anchors", flush=True)
+                continue
+            zipfile.ZipFile(wheels[-1]).extractall(site)
+            env["PYTHONPATH"] = f"{site}:{env.get('PYTHONPATH', '')}"
+            env["VLLM_PLUGINS"] = "hotwire"
         elif not name.startswith("on-"):
             env["VLLM_PLUGINS"] = ""  # load no vLLM plugin in this process
         command = [sys.executable, __file__, "engine", name, path, str(repeats)]
@@ -425,6 +536,8 @@ def table(*paths: Path) -> str:
         unit = "ms" if job in ("forward", "lens", "trace1", "sweep", "plain_sweep") else "tok/s"
         ref = base1000 if job in ("plain1000", "capture1000") else base
         ref = median.get(("off-graphs", "plain256")) if job in ("plain256", "steer256") else ref
+        if engine == "hotwire" and job.startswith("steer"):  # its own idle, as its docs measure
+            ref = median.get((engine, "plain256" if job == "steer256" else "plain"))
         if job == "lens":
             ratio = f"{median[(engine, job)] / forward:.2f}x a plain forward" if forward else ""
         elif job == "trace1":
@@ -452,6 +565,8 @@ if __name__ == "__main__":
             profile_engine(path, graphs=name == "profile-graphs")
         elif name == "hf":
             hf_engine(path)
+        elif name == "hotwire":
+            hotwire_engine(path, repeats)
         else:
             vllm_engine(name, path, repeats)
     elif command == "run":

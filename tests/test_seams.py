@@ -191,17 +191,24 @@ def test_a_python_step_switches_custom_ops_to_the_eager_kernels_and_back():
 
 
 def test_the_reads_the_tap_tables_rely_on():
-    """``seams.whole_prompt_scheduled`` and ``seams.tap_table_sizes``."""
+    """``seams.whole_prompt_scheduled``, ``scheduled_rows``, ``tap_table_sizes``,
+    ``speculates`` and ``step_rows`` (the persistent batch's ids and row offsets)."""
     import dataclasses
+    import inspect
 
-    from vllm.config import CompilationConfig, ModelConfig, SchedulerConfig
+    from vllm.config import CompilationConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.output import NewRequestData
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     fields = {f.name for f in dataclasses.fields(NewRequestData)}
     assert {"req_id", "prompt_token_ids", "num_computed_tokens", "sampling_params"} <= fields
     assert {"max_num_batched_tokens", "max_num_seqs"} <= set(SchedulerConfig.__dataclass_fields__)
     assert "cudagraph_capture_sizes" in CompilationConfig.__dataclass_fields__
     assert callable(ModelConfig.get_hidden_size)
+    assert "speculative_config" in VllmConfig.__dataclass_fields__
+    assert isinstance(InputBatch.req_ids, property) and isinstance(InputBatch.num_reqs, property)
+    assert "query_start_loc" in inspect.getsource(GPUModelRunner.__init__)
 
 
 def test_register_is_cheap_and_idempotent():

@@ -12,6 +12,7 @@ from vllm import SamplingParams
 from vllm_nnsight_plugin import VLLM
 from vllm_nnsight_plugin.taps.forms import block_form
 from vllm_nnsight_plugin.taps.install import Lowered, TapTables, returns_tuple
+from vllm_nnsight_plugin.taps.kept import Regions
 from vllm_nnsight_plugin.taps.ops import KEEP_FIRST, KEEP_SECOND, KEEP_SUM
 from vllm_nnsight_plugin.taps.spec import TapError, parse, resolve
 
@@ -153,70 +154,87 @@ def steering(site, start, stop, result=None):
     return Lowered(site, start, stop, result)
 
 
+def bounds(starts, counts):
+    """Row offsets as the runner holds them: each request's first row, then the end."""
+    assert all(a + n == b for a, n, b in zip(starts, counts, starts[1:]))
+    return [*starts, starts[-1] + counts[-1]] if starts else [0]
+
+
 def test_the_tables_point_each_steps_rows_at_their_requests():
-    tables = TapTables(
-        ("model.layers.0", "model.layers.1"), max_tokens=16, hidden=4, bank_rows=4, device="cpu"
-    )
+    tables = TapTables(("model.layers.0", "model.layers.1"), max_tokens=16, hidden=4, entries=4, device="cpu")
     assert tables.add("a", steering(1, 0, 2), torch.ones(4))
     assert tables.add("b", steering(0, 1, None, "out"), torch.full((1, 4), 2.0))
     assert tables.idle() is False
-    tables.fill(["a", "plain", "b"], [0, 5, 6], [5, 1, 3])  # the prompt step
+    tables.fill(["a", "plain", "b"], bounds([0, 5, 6], [5, 1, 3]))  # the prompt step
     want = torch.full((2, 16), -1, dtype=torch.int32)
-    want[1, 0:5] = tables.requests["a"].slot
+    want[1, 0:5] = tables.requests["a"].entry
     assert torch.equal(tables.slots, want)  # b starts on its second step
-    tables.fill(["b", "a"], [0, 1], [1, 1])
+    tables.fill(["b", "a"], bounds([0, 1], [1, 1]))
     want = torch.full((2, 16), -1, dtype=torch.int32)
-    want[0, 0] = tables.requests["b"].slot
-    want[1, 1] = tables.requests["a"].slot
+    want[0, 0] = tables.requests["b"].entry
+    want[1, 1] = tables.requests["a"].entry
     assert torch.equal(tables.slots, want)
-    tables.fill(["b", "a"], [0, 1], [1, 1])  # a's window is over
+    tables.fill(["b", "a"], bounds([0, 1], [1, 1]))  # a's window is over
     want[1, 1] = -1
     assert torch.equal(tables.slots, want)
     hidden = torch.arange(8.0).reshape(2, 4)
     out = torch.ops.vllm_nnsight.steer(hidden, tables.slots, tables.bank, 0)
     assert torch.equal(out, torch.stack([hidden[0] + 2.0, hidden[1]]))
-    assert tables.forget("a") is not None and tables.forget("b") is not None
-    tables.fill(["plain"], [0], [1])
+    assert tables.forget("a")[1] == 3 and tables.forget("b")[1] == 3  # forwards each was in
+    tables.fill(["plain"], bounds([0], [1]))
     assert torch.equal(tables.slots, torch.full((2, 16), -1, dtype=torch.int32)) and tables.idle()
     for name in "wxyz":
         assert tables.add(name, steering(0, 0, None), torch.ones(4))
     assert not tables.add("full", steering(0, 0, None), torch.ones(4))  # runs as Python
 
 
-def test_kept_rows_leave_the_arena_each_step_and_come_back_as_the_loop_builds_them():
+def test_kept_rows_go_straight_to_each_requests_region_of_the_store():
     tables = TapTables(
-        ("model.layers.0", "model.layers.1"), max_tokens=8, hidden=3, bank_rows=2, device="cpu"
+        ("model.layers.0", "model.layers.1"), max_tokens=8, hidden=3, entries=4, device="cpu", kept_rows=32
     )
     keep = Lowered(1, 0, 3, None, code=KEEP_SUM, name="rows")
     read = Lowered(0, 0, 1, "out", code=KEEP_SECOND, name="last", select=-1, single=True)
-    assert tables.add("k", keep) and tables.add("r", read)
-    assert not tables.add("k", keep)  # one entry per request
+    assert tables.add("k", keep, room=2 + 4) and tables.add("r", read, room=4)
+    assert not tables.add("k", keep, room=6)  # one entry per request
+    assert not tables.add("huge", Lowered(0, 0, None, None, code=KEEP_FIRST, name="x"), room=32)  # no room
     steps = []
     for req_ids, starts, counts in [
         (["k", "p", "r"], [0, 2, 3], [2, 1, 4]),
         (["p", "k", "r"], [0, 1, 2], [1, 1, 1]),
     ]:
-        tables.fill(req_ids, starts, counts)
+        tables.fill(req_ids, bounds(starts, counts))
         hidden, residual = torch.randn(8, 3), torch.randn(8, 3)
-        torch.ops.vllm_nnsight.keep(hidden, residual, tables.codes, tables.arena, 1)
-        torch.ops.vllm_nnsight.keep(hidden, residual, tables.codes, tables.arena, 0)
-        tables.after_forward()
+        torch.ops.vllm_nnsight.keep(hidden, residual, tables.codes, tables.dest, tables.store, 1)
+        torch.ops.vllm_nnsight.keep(hidden, residual, tables.codes, tables.dest, tables.store, 0)
         steps.append((hidden, residual))
     (h0, r0), (h1, r1) = steps
-    kept = tables.forget("k").saves(torch.device("cpu"))["rows"]
-    assert kept.unstack()[0].shape == (2, 3) and len(kept.unstack()) == 2
-    assert torch.equal(kept.unstack()[0], h0[0:2] + r0[0:2]) and torch.equal(
-        kept.unstack()[1], h1[1:2] + r1[1:2]
-    )
-    last = tables.forget("r").saves(torch.device("cpu"))
+    lowered, forwards = tables.forget("k")
+    kept = tables.saves(lowered)["rows"].unstack()
+    tables.release(lowered)
+    assert forwards == 2 and [t.shape for t in kept] == [(2, 3), (1, 3)]
+    assert torch.equal(kept[0], h0[0:2] + r0[0:2]) and torch.equal(kept[1], h1[1:2] + r1[1:2])
+    lowered, _ = tables.forget("r")
+    last = tables.saves(lowered)
+    tables.release(lowered)
     assert torch.equal(last["last"], r0[6]) and last["last"].shape == (3,)
-    assert tables.kept.rows == 2 + 4 + 1 and tables.idle() is False
-    tables.fill([], [], [])
-    assert tables.idle() and torch.equal(tables.codes, torch.zeros_like(tables.codes))
+    assert tables.kept_rows == 2 + 4 + 1 and tables.regions.free_rows() == 31
+    tables.fill([], bounds([], []))
+    assert tables.idle() and not tables.codes.any() and not tables.dest.any()
+
+
+def test_the_store_hands_out_and_merges_regions():
+    regions = Regions(10)
+    assert [regions.take(3), regions.take(3), regions.take(3), regions.take(1)] == [1, 4, 7, None]
+    regions.give(4, 3)
+    assert regions.take(4) is None and regions.take(2) == 4
+    regions.give(1, 3)
+    regions.give(7, 3)
+    regions.give(4, 2)
+    assert regions.free_rows() == 9 and regions.take(9) == 1
 
 
 def test_a_tap_whose_forward_may_not_return_a_tuple_takes_no_lowered_request():
-    tables = TapTables(("model.norm",), 4, 2, 2, "cpu", tuple_sites=frozenset())
+    tables = TapTables(("model.norm",), 4, 2, 2, "cpu", tuple_sites=frozenset(), kept_rows=4)
     assert not tables.add("a", steering(0, 0, None), torch.ones(2))
 
 

@@ -276,6 +276,8 @@ from .worker import (  # noqa: E402
     scheduled_rows,
     set_sampled_ids,
     skip_compiled_forward,
+    speculates,
+    step_rows,
     tap_table_sizes,
     tokenizer_of,
     whole_prompt_scheduled,
@@ -346,5 +348,9 @@ __all__ = [
     "tokenizer_of",
     "whole_prompt_scheduled",
     "scheduled_rows",
+    "speculates",
+    "step_rows",
+    "speculates",
+    "step_rows",
     "worker",
 ]

@@ -132,6 +132,20 @@ class StepLayout:
         return list(zip(self.req_ids, self.counts))
 
 
+def step_rows(runner: Any) -> tuple[list[str], Any]:
+    """This step's request ids in row order and their row offsets (``n + 1``, a
+    numpy array): what ``StepLayout`` reads, without building per-request lists."""
+    batch = runner.input_batch
+    n = batch.num_reqs
+    return batch.req_ids[:n], runner.query_start_loc.np[: n + 1]
+
+
+def speculates(runner: Any) -> bool:
+    """Whether the engine decodes speculatively (a step may then carry several
+    rows of a request, some of them rejected)."""
+    return getattr(runner.vllm_config, "speculative_config", None) is not None
+
+
 def new_requests(scheduler_output: Any) -> Any:
     """This step's newly scheduled requests (``NewRequestData``: ``req_id``, ``sampling_params``)."""
     return getattr(scheduler_output, "scheduled_new_reqs", None) or ()

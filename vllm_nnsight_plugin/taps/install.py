@@ -7,16 +7,17 @@ their addresses); before each step only their contents change:
 
 - ``slots[site, row]``: the bank row to add at that tap to that token row of the
   step's slab, or -1 (most rows, always the padding);
-- ``bank[slot]``: one steering vector per lowered request, in float32;
-- ``codes[site, row]``: what to keep of that row at that tap (``ops.keep``), or 0;
-- ``arena[row]``: where the kept rows of the step land, in the model's dtype.
+- ``bank[entry]``: one steering vector per lowered request, in float32;
+- ``codes[site, row]`` and ``dest[site, row]``: what to keep of that row at that
+  tap (``ops.keep``; 0 for nothing), and where in the store (``kept.py``).
 
 The rows a step's requests occupy come from the runner's persistent batch (the
-same reading as the Python path's, ``seams.StepLayout``). ``slots`` and
-``codes`` are two halves of one table, staged on the host (double-buffered, so
-filling the next step never races the upload of the last one) and uploaded in
-one copy; nothing is uploaded while no request is lowered. The rows kept in a
-step leave the arena in one copy right after the forward (``kept.py``).
+same reading as the Python path's). The three tables are one tensor, staged on
+the host (double-buffered, so filling the next step never races the upload of
+the last one) and uploaded in one copy; nothing is uploaded while no request is
+lowered. Each lowered request's per-step state lives in arrays indexed by its
+entry, so a step's fill is a handful of array operations whatever the number of
+requests.
 """
 
 from __future__ import annotations
@@ -27,15 +28,18 @@ import logging
 import textwrap
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.vllm_nnsight)
-from .kept import Kept, Lowered
+from .kept import Lowered, Regions, kept_saves, store_rows
 from .spec import engine_taps, resolve
 
 logger = logging.getLogger("vllm_nnsight_plugin")
 
 __all__ = ["Lowered", "TapTables", "install"]
+
+_NEVER = np.iinfo(np.int64).max  # the stop of ``tracer.all()``
 
 
 class TapTables:
@@ -46,10 +50,11 @@ class TapTables:
         sites: tuple[str, ...],
         max_tokens: int,
         hidden: int,
-        bank_rows: int,
+        entries: int,
         device: Any,
         dtype: torch.dtype = torch.float32,
         tuple_sites: frozenset[int] | None = None,
+        kept_rows: int | None = None,
     ):
         self.sites = sites
         self.site_of = {path: i for i, path in enumerate(sites)}
@@ -58,64 +63,108 @@ class TapTables:
         self.tuple_sites = frozenset(range(len(sites))) if tuple_sites is None else tuple_sites
         self.hidden = hidden
         self.device = torch.device(device)
-        table = torch.full((2, len(sites), max_tokens), -1, dtype=torch.int32, device=self.device)
-        table[1].zero_()
+        cuda = self.device.type == "cuda"
+        table = torch.zeros((3, len(sites), max_tokens), dtype=torch.int32, device=self.device)
+        table[0].fill_(-1)
         self._table = table
-        self.slots, self.codes = table[0], table[1]
-        self.bank = torch.zeros((bank_rows, hidden), dtype=torch.float32, device=self.device)
-        self.arena = torch.zeros((max_tokens, hidden), dtype=dtype, device=self.device)
-        pin = self.device.type == "cuda"
-        self._staging = [table.cpu().pin_memory() if pin else table.clone() for _ in range(2)]
+        self.slots, self.codes, self.dest = table[0], table[1], table[2]
+        self.bank = torch.zeros((entries, hidden), dtype=torch.float32, device=self.device)
+        rows = kept_rows or store_rows(hidden * dtype.itemsize, cuda)
+        self.store = torch.zeros((rows, hidden), dtype=dtype, device=self.device)
+        self.regions = Regions(rows)
+        self._staging = [table.cpu().pin_memory() if cuda else table.clone() for _ in range(2)]
         self._turn = 0
         self._dirty = [0, 0]  # per staging buffer: rows [0, n) may hold entries
         self._uploaded = 0  # the device table may hold entries in rows [0, n)
-        self.free = list(range(bank_rows - 1, -1, -1))
+        # per entry (a lowered request), indexed by Lowered.entry
+        self._kind = np.zeros(entries, dtype=np.int64)  # which table: 0 slots, 1 codes
+        self._site = np.zeros(entries, dtype=np.int64)
+        self._value = np.zeros(entries, dtype=np.int32)  # the slot (= entry) or the code
+        self._start = np.zeros(entries, dtype=np.int64)
+        self._stop = np.zeros(entries, dtype=np.int64)
+        self._steps = np.zeros(entries, dtype=np.int64)  # forwards the request has been in
+        self._base = np.zeros(entries, dtype=np.int64)  # its region of the store
+        self._done = np.zeros(entries, dtype=np.int64)  # rows kept so far
+        self._room = np.zeros(entries, dtype=np.int64)  # rows its region holds
+        self._first = np.zeros(entries, dtype=np.int64)  # rows of its first forward
+        self.free = list(range(entries - 1, -1, -1))
         self.requests: dict[str, Lowered] = {}
-        self.kept = Kept(self.arena)
+        self._entry_of: dict[str, int] = {}
+        self._lowered: list[Lowered | None] = [None] * entries
+        self.kept_rows = 0
 
     # ------------------------------------------------------------ requests
-    def add(self, request_id: str, lowered: Lowered, vector: torch.Tensor | None = None) -> bool:
-        """Put a request on the tables; False when there is no room (it runs as Python)."""
-        if request_id in self.requests or lowered.site not in self.tuple_sites:
+    def add(
+        self, request_id: str, lowered: Lowered, vector: torch.Tensor | None = None, room: int = 0
+    ) -> bool:
+        """Put a request on the tables; False when there is no room (it runs as Python).
+
+        A steering block brings its ``vector``; a keeping block needs ``room``
+        rows of the store (all its request can produce).
+        """
+        if request_id in self.requests or lowered.site not in self.tuple_sites or not self.free:
             return False
-        if vector is not None:
-            if not self.free:
+        if lowered.code:
+            base = self.regions.take(room) if room > 0 else None
+            if base is None:
                 return False
-            lowered.slot = self.free.pop()
-            self.bank[lowered.slot].copy_(vector.detach().reshape(-1).to(torch.float32))
+            lowered.base, lowered.rows = base, room
+        entry = lowered.entry = self.free.pop()
+        if vector is not None:
+            self.bank[entry].copy_(vector.detach().reshape(-1).to(torch.float32))
+        self._kind[entry] = 1 if lowered.code else 0
+        self._site[entry] = lowered.site
+        self._value[entry] = lowered.code or entry
+        self._start[entry] = lowered.start
+        self._stop[entry] = _NEVER if lowered.stop is None else lowered.stop
+        self._steps[entry] = self._done[entry] = self._first[entry] = 0
+        self._base[entry], self._room[entry] = lowered.base, lowered.rows
         self.requests[request_id] = lowered
+        self._entry_of[request_id] = entry
+        self._lowered[entry] = lowered
         return True
 
-    def forget(self, request_id: str) -> Lowered | None:
+    def forget(self, request_id: str) -> tuple[Lowered, int] | None:
+        """Take a request off the tables: its entry and how many forwards it was in."""
         lowered = self.requests.pop(request_id, None)
-        if lowered is not None and lowered.slot >= 0:
-            self.free.append(lowered.slot)
-        return lowered
+        if lowered is None:
+            return None
+        entry = self._entry_of.pop(request_id)
+        self._lowered[entry] = None
+        self.free.append(entry)
+        return lowered, int(self._steps[entry])
+
+    def saves(self, lowered: Lowered) -> dict[str, Any]:
+        """What a request's lowered block kept (read before :meth:`release`)."""
+        entry = lowered.entry
+        return kept_saves(
+            lowered, self.store, int(self._steps[entry]), int(self._done[entry]), int(self._first[entry])
+        )
+
+    def release(self, lowered: Lowered) -> None:
+        """Give a forgotten request's region of the store back (its rows were read)."""
+        if lowered.code and lowered.rows:
+            self.regions.give(lowered.base, lowered.rows)
+            lowered.rows = 0
+
+    def overflowed(self, lowered: Lowered) -> bool:
+        """Whether the request had more rows than its region (its rows were dropped)."""
+        return bool(lowered.code) and int(self._done[lowered.entry]) > lowered.rows
 
     # ------------------------------------------------------------ each step
-    def fill(self, req_ids: list[str], starts: list[int], counts: list[int]) -> None:
-        """Point this step's rows at their requests' bank rows and codes, then upload."""
+    def fill(self, req_ids: list[str], bounds: Any) -> None:
+        """Point this step's rows at their requests' entries, then upload.
+
+        ``req_ids`` are the step's requests in row order and ``bounds`` their
+        row offsets (``len(req_ids) + 1`` of them).
+        """
         staging = self._staging[self._turn]
         table = staging.numpy()
         dirty = self._dirty[self._turn]
         if dirty:
             table[0, :, :dirty] = -1
-            table[1, :, :dirty] = 0
-        used = 0
-        requests = self.requests
-        keeping = self.kept.now = []  # rows a failed step never took are stale
-        for request_id, start, count in zip(req_ids, starts, counts):
-            lowered = requests.get(request_id)
-            if lowered is None:
-                continue
-            if lowered.active():
-                if lowered.code:
-                    table[1, lowered.site, start : start + count] = lowered.code
-                    keeping.append((lowered, start, count))
-                else:
-                    table[0, lowered.site, start : start + count] = lowered.slot
-                used = max(used, start + count)
-            lowered.steps += 1
+            table[1:, :, :dirty] = 0
+        used = self._place(table, req_ids, np.asarray(bounds, dtype=np.int64))
         self._dirty[self._turn] = used
         rows = max(used, self._uploaded)
         if rows:
@@ -123,16 +172,56 @@ class TapTables:
             self._turn ^= 1
         self._uploaded = used
 
-    def after_forward(self) -> None:
-        """The forward is queued: take this step's kept rows out of the arena."""
-        self.kept.take()
+    def _place(self, table: np.ndarray, req_ids: list[str], bounds: np.ndarray) -> int:
+        """Write this step's entries into ``table``; the rows used."""
+        get = self._entry_of.get
+        found = np.fromiter((get(r, -1) for r in req_ids), dtype=np.int64, count=len(req_ids))
+        rows = np.flatnonzero(found >= 0)
+        if not rows.size:
+            return 0
+        entries = found[rows]
+        steps = self._steps[entries]
+        self._steps[entries] = steps + 1
+        counts = bounds[rows + 1] - bounds[rows]
+        self._first[entries[steps == 0]] = counts[steps == 0]
+        live = (self._start[entries] <= steps) & (steps < self._stop[entries])
+        if not live.any():
+            return 0
+        entries, starts, counts, steps = entries[live], bounds[rows[live]], counts[live], steps[live]
+        odd = (counts != 1) & (steps > 0)
+        for entry, step, count in zip(entries[odd], steps[odd], counts[odd]):
+            self._lowered[entry].irregular[int(step)] = int(count)
+        # one index per token row: the entry it belongs to, its row in the slab,
+        # and its place among the entry's rows of this step
+        total = int(counts.sum())
+        each = np.repeat(entries, counts)
+        offsets = np.repeat(np.cumsum(counts) - counts, counts)
+        within = np.arange(total, dtype=np.int64) - offsets
+        slab = np.repeat(starts, counts) + within
+        kind, site = self._kind[each], self._site[each]
+        table[kind, site, slab] = self._value[each]
+        keeping = kind == 1
+        if keeping.any():
+            kept = each[keeping]
+            place = self._done[kept] + within[keeping]
+            fits = place < self._room[kept]
+            table[2, site[keeping], slab[keeping]] = np.where(fits, self._base[kept] + place, 0)
+            mine = self._kind[entries] == 1  # entries appear once each: add per entry
+            self._done[entries[mine]] += counts[mine]
+            self.kept_rows += int(counts[mine].sum())
+        return int((starts + counts).max())
 
     def idle(self) -> bool:
         """Nothing lowered and nothing left in the device table: no fill, no upload."""
         return not self.requests and not self._uploaded
 
     def stats(self) -> dict[str, Any]:
-        return {"taps": list(self.sites), "lowered_now": len(self.requests), **self.kept.stats()}
+        return {
+            "taps": list(self.sites),
+            "lowered_now": len(self.requests),
+            "kept_rows": self.kept_rows,
+            "kept_free_rows": self.regions.free_rows(),
+        }
 
 
 def install(runner: Any, model: Any) -> TapTables | None:
@@ -219,7 +308,7 @@ def _tapped_class(base: type) -> type:
         steer, keep = torch.ops.vllm_nnsight.steer, torch.ops.vllm_nnsight.keep
         if isinstance(out, tuple) and len(out) >= 2:
             hidden = steer(out[0], tables.slots, tables.bank, site)
-            keep(hidden, out[1], tables.codes, tables.arena, site)
+            keep(hidden, out[1], tables.codes, tables.dest, tables.store, site)
             return (hidden, *out[1:])
         if isinstance(out, tuple):
             return (steer(out[0], tables.slots, tables.bank, site), *out[1:])

@@ -1,29 +1,34 @@
-"""Lowered requests, and the rows they keep leaving the arena.
+"""Lowered requests, and where the rows they keep are stored.
 
 A lowered block that keeps a tap's rows (``rows.append(layer.output[0].clone())``,
-or a read on the first step) has them written into the arena by the operation
-inside the forward. Right after the forward is queued, the step's kept rows are
-copied out of the arena in one copy, queued on the same stream (so the next
-forward, which writes the arena again, runs after it): into GPU memory while
-the rows held there stay under ``VLLM_NNSIGHT_KEPT_GPU_BYTES`` (default 1 GiB),
-into pinned host memory beyond that. Each request holds views of those copies,
-one per step, and its saves are built from them when it is collected, on the
-model's device, as the Python path's are.
+or a read on the first step) gets, at admission, its own region of the store:
+one device tensor, allocated with the tables, with room for every row the
+request can produce (its prompt and ``max_tokens``). The operation inside the
+forward writes each kept row straight to its place in the region (a per-row
+destination table, filled before each step), so nothing runs after the forward
+and nothing per request per step runs in Python. When the request is collected
+its region is read in one copy, on the model's device as the Python path's
+saves are, and given back. The store's size is ``VLLM_NNSIGHT_KEPT_BYTES``
+(default 1 GiB on a GPU, 128 MiB on a CPU); a request that finds no room runs
+as Python.
 """
 
 from __future__ import annotations
 
+import bisect
 import os
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from ..returns.stacked import Stacked
 
-KEPT_GPU_BYTES_ENV = "VLLM_NNSIGHT_KEPT_GPU_BYTES"
-DEFAULT_KEPT_GPU_BYTES = 1 << 30
+KEPT_BYTES_ENV = "VLLM_NNSIGHT_KEPT_BYTES"
+
+
+def store_rows(row_bytes: int, cuda: bool) -> int:
+    """How many rows the store holds (row 0 takes the rows nobody keeps)."""
+    default = (1 << 30) if cuda else (128 << 20)
+    return max(2, int(os.environ.get(KEPT_BYTES_ENV) or default) // max(1, row_bytes))
 
 
 @dataclass
@@ -34,84 +39,69 @@ class Lowered:
     start: int
     stop: int | None  # None: every step
     result: str | None  # the name ``tracer.result.save()`` was assigned to
-    slot: int = -1  # steering: the bank row added to the request's rows
-    code: int = 0  # keeping: what ``ops.keep`` writes (0: nothing kept)
+    code: int = 0  # keeping: what ``ops.keep`` writes (0: this block steers)
     name: str | None = None  # keeping: the name the kept rows are saved under
     select: Any = None  # a single read: the index applied to the step's rows
     single: bool = False  # one value (a read in the body), not a list of steps
-    steps: int = 0  # forwards this request has been in
-    pieces: list = field(default_factory=list)  # keeping: one view of kept rows per step
+    entry: int = -1  # its row in the tables' per-request arrays (and the bank)
+    base: int = 0  # keeping: its region of the store
+    rows: int = 0
+    #: steps whose row count was not the usual one (the prompt first, then one)
+    irregular: dict[int, int] = field(default_factory=dict)
 
-    def active(self) -> bool:
-        return self.start <= self.steps and (self.stop is None or self.steps < self.stop)
 
-    def finished_loop(self) -> bool:
-        """Whether the block's loop ran to its end (``tracer.all()`` never does), so
-        that the line after it ran too."""
-        return self.stop is not None and self.steps >= self.stop
+def kept_saves(lowered: Lowered, store: Any, steps: int, done: int, first: int) -> dict[str, Any]:
+    """What a keeping block saved, as the Python path would have it: the list of
+    each step's rows (a :class:`Stacked`), or the one read.
 
-    def saves(self, device: torch.device) -> dict[str, Any]:
-        """What the block saved, as the Python path would have it."""
-        if not self.code or self.name is None:
+    ``steps`` is how many forwards the request was in, ``done`` how many rows it
+    kept, ``first`` how many rows its first forward had.
+    """
+    if not lowered.code or lowered.name is None:
+        return {}
+    if lowered.single:
+        if done == 0:
             return {}
-        pieces = [piece.to(device, non_blocking=True) for piece in self.pieces]
-        if self.single:
-            return {self.name: pieces[0][self.select].clone()} if pieces else {}
-        if len(pieces) < 2:
-            return {self.name: [piece.clone() for piece in pieces]}
-        return {self.name: Stacked(torch.cat(pieces), tuple(int(p.shape[0]) for p in pieces))}
+        return {lowered.name: store[lowered.base : lowered.base + done][lowered.select].clone()}
+    stop = steps if lowered.stop is None else min(steps, lowered.stop)
+    lengths = [lowered.irregular.get(s, first if s == 0 else 1) for s in range(lowered.start, stop)]
+    if sum(lengths) != done:  # cannot happen while the fill keeps its books
+        raise RuntimeError(f"kept {done} rows, counted {sum(lengths)}")
+    data = store[lowered.base : lowered.base + done].clone()
+    if len(lengths) < 2:
+        return {lowered.name: list(Stacked(data, tuple(lengths)).unstack()) if lengths else []}
+    return {lowered.name: Stacked(data, tuple(lengths))}
 
 
-class Kept:
-    """The step's kept rows, and where their copies go."""
+class Regions:
+    """First-fit allocation of row ranges of the store (row 0 is never handed out)."""
 
-    def __init__(self, arena: torch.Tensor) -> None:
-        self.arena = arena
-        self.now: list[tuple[Lowered, int, int]] = []  # (request, first row, rows) this step
-        self.limit = int(os.environ.get(KEPT_GPU_BYTES_ENV) or DEFAULT_KEPT_GPU_BYTES)
-        self.held = 0  # bytes of copies on the device still referred to
-        self.rows = 0
-        self.host_rows = 0
-        self._row_bytes = arena.shape[1] * arena.element_size()
+    def __init__(self, rows: int) -> None:
+        self.starts = [1]
+        self.sizes = [rows - 1]
 
-    def take(self) -> None:
-        now, self.now = self.now, []
-        if not now:
-            return
-        low = min(start for _, start, _ in now)
-        high = max(start + count for _, start, count in now)
-        kept = sum(count for _, _, count in now)
-        if kept == high - low:
-            source, place = self.arena[low:high], {start: start - low for _, start, _ in now}
-            fresh = False
-        else:  # scattered rows: gather just those
-            index, place, at = [], {}, 0
-            for _, start, count in now:
-                index.extend(range(start, start + count))
-                place[start], at = at, at + count
-            rows = torch.tensor(index, dtype=torch.long).to(self.arena.device, non_blocking=True)
-            source, fresh = self.arena.index_select(0, rows), True
-        copy = self._copy(source, fresh)
-        for lowered, start, count in now:
-            lowered.pieces.append(copy[place[start] : place[start] + count])
-        self.rows += kept
+    def take(self, rows: int) -> int | None:
+        for i, size in enumerate(self.sizes):
+            if size >= rows:
+                start = self.starts[i]
+                if size == rows:
+                    del self.starts[i], self.sizes[i]
+                else:
+                    self.starts[i] += rows
+                    self.sizes[i] -= rows
+                return start
+        return None
 
-    def _copy(self, source: torch.Tensor, fresh: bool) -> torch.Tensor:
-        """``source`` (a slice of the arena, or a gathered ``fresh`` copy) where it will be kept."""
-        size = source.shape[0] * self._row_bytes
-        if source.device.type != "cuda" or self.held + size <= self.limit:
-            copy = source if fresh else source.clone()
-            if source.device.type == "cuda":
-                self.held += size
-                weakref.finalize(copy, self._release, size)
-            return copy
-        copy = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
-        copy.copy_(source, non_blocking=True)
-        self.host_rows += source.shape[0]
-        return copy
+    def give(self, start: int, rows: int) -> None:
+        i = bisect.bisect_left(self.starts, start)
+        self.starts.insert(i, start)
+        self.sizes.insert(i, rows)
+        if i + 1 < len(self.starts) and start + rows == self.starts[i + 1]:  # merge the next
+            self.sizes[i] += self.sizes.pop(i + 1)
+            self.starts.pop(i + 1)
+        if i > 0 and self.starts[i - 1] + self.sizes[i - 1] == start:  # merge into the previous
+            self.sizes[i - 1] += self.sizes.pop(i)
+            self.starts.pop(i)
 
-    def _release(self, size: int) -> None:
-        self.held -= size
-
-    def stats(self) -> dict[str, Any]:
-        return {"kept_rows": self.rows, "kept_host_rows": self.host_rows}
+    def free_rows(self) -> int:
+        return sum(self.sizes)

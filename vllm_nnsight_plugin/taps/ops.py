@@ -6,12 +6,12 @@ rows are copied bit for bit. The addition is what ``hidden[:] += vector`` does i
 a block: in float32, rounded once to ``hidden``'s dtype (the bank holds the
 vector's values exactly, in float32).
 
-``torch.ops.vllm_nnsight.keep(first, second, codes, arena, site)`` writes into
-``arena`` the rows whose code at this site asks for one: ``first`` (code 1),
-``second`` (code 2) or ``first + second`` (code 3, the residual stream leaving a
-decoder layer, computed by the same addition a block's ``hidden + residual``
-runs). Other arena rows are left as they were, so one arena serves every tap
-(a request keeps rows at one tap only).
+``torch.ops.vllm_nnsight.keep(first, second, codes, dest, store, site)`` writes
+row ``r`` of ``first`` (code 1), of ``second`` (code 2) or of ``first + second``
+(code 3: the residual stream leaving a decoder layer, by the same addition a
+block's ``hidden + residual`` runs) to ``store[dest[site, r]]``. Rows nobody
+keeps have destination 0, a row of the store that is never read, so the
+operation has one shape for every step and one store serves every tap.
 
 Both are ``torch.library`` custom ops with fake implementations, so
 torch.compile keeps each whole (one opaque call in the graph) and a CUDA graph
@@ -41,18 +41,29 @@ def _(hidden: torch.Tensor, slots: torch.Tensor, bank: torch.Tensor, site: int) 
     return torch.empty_like(hidden)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::keep", mutates_args=("arena",))
+@torch.library.custom_op(f"{NAMESPACE}::keep", mutates_args=("store",))
 def keep(
-    first: torch.Tensor, second: torch.Tensor, codes: torch.Tensor, arena: torch.Tensor, site: int
+    first: torch.Tensor,
+    second: torch.Tensor,
+    codes: torch.Tensor,
+    dest: torch.Tensor,
+    store: torch.Tensor,
+    site: int,
 ) -> None:
     rows = first.shape[0]
     code = codes[site, :rows].unsqueeze(-1)
     value = torch.where(code == KEEP_SECOND, second, first)
     value = torch.where(code == KEEP_SUM, first + second, value)
-    kept = arena[:rows]
-    kept.copy_(torch.where(code > 0, value.to(arena.dtype), kept))
+    store.index_copy_(0, dest[site, :rows].long(), value.to(store.dtype))
 
 
 @keep.register_fake
-def _(first: torch.Tensor, second: torch.Tensor, codes: torch.Tensor, arena: torch.Tensor, site: int) -> None:
+def _(
+    first: torch.Tensor,
+    second: torch.Tensor,
+    codes: torch.Tensor,
+    dest: torch.Tensor,
+    store: torch.Tensor,
+    site: int,
+) -> None:
     return None

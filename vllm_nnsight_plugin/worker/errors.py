@@ -21,3 +21,7 @@ class UnsendableSaveError(RuntimeError):
 
 class CompiledForwardError(RuntimeError):
     """A block asked for a module location in a forward that ran compiled."""
+
+
+class KeptRowsError(RuntimeError):
+    """A lowered request produced more rows at its tap than its region holds."""

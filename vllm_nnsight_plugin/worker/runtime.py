@@ -140,22 +140,28 @@ class WorkerRuntime:
                 # is never lowered.
                 if tables is not None and seams.whole_prompt_scheduled(data, scheduler_output):
                     rows = seams.scheduled_rows(data, scheduler_output)
-                    self._lower(requests.requests[data.req_id], tables, rows)
+                    most = rows + int(getattr(data.sampling_params, "max_tokens", None) or 0)
+                    try:
+                        self._lower(requests.requests[data.req_id], tables, rows, most)
+                    except Exception:  # lowering is an optimisation: the block runs as Python
+                        logger.exception("vllm-nnsight: could not lower request %s", data.req_id)
 
     @property
     def tables(self) -> Any:
         """This runner's tap tables, or None for an engine without taps."""
         return self.runner.__dict__.get(RUNNER_ATTR)
 
-    def _lower(self, request: Any, tables: Any, rows: int) -> None:
+    def _lower(self, request: Any, tables: Any, rows: int, most: int) -> None:
         """Put a request on the tap tables instead of running its block as Python,
         when its block is exactly a form they express (``taps/lower.py``); ``rows``
-        is how many token rows its first step has."""
+        is how many token rows its first step has, ``most`` how many it can have."""
         from ..taps.lower import lower
 
         mediator = request.mediator
         if mediator is None or request.copies or request.index != 0 or request.engine_id != request.stem:
             return
+        if seams.speculates(self.runner):
+            return  # a step's rows are then not the ones a block sees step by step
         lowering = lower(
             nns.block_source(mediator),
             nns.block_scope(mediator),
@@ -165,7 +171,10 @@ class WorkerRuntime:
             seams.model_dtype(self.runner),
             rows,
         )
-        if lowering is not None and tables.add(request.id, lowering.lowered, lowering.vector):
+        room = 0
+        if lowering is not None and lowering.lowered.code:
+            room = rows if lowering.lowered.single else most
+        if lowering is not None and tables.add(request.id, lowering.lowered, lowering.vector, room):
             request.mediator = None  # nothing of it runs as Python
             self.lowered += 1
 
@@ -177,13 +186,12 @@ class WorkerRuntime:
         step.taps_filled = True
         if tables.idle():
             return
-        layout = seams.StepLayout(self.runner)
-        tables.fill(layout.req_ids, layout.starts, layout.counts)
+        tables.fill(*seams.step_rows(self.runner))
 
     def _forward_wanted(self, scheduler_output: Any) -> bool:
         """Whether a block in this step, not yet finished, may ask for a module location."""
         requests = self.requests.requests
-        if not requests:
+        if not requests or self._all_lowered():
             return False
         for request_id in seams.scheduled_ids(scheduler_output):
             request = requests.get(request_id)
@@ -193,6 +201,12 @@ class WorkerRuntime:
             ):
                 return True
         return False
+
+    def _all_lowered(self) -> bool:
+        """Every tracked request runs on the tap tables (a check that costs nothing
+        per request; a lowered request's error is only ever set at collect)."""
+        tables = self.tables
+        return tables is not None and len(tables.requests) == len(self.requests.requests)
 
     def abandon_step(self) -> None:
         """The step raised: close the interleaver so nothing leaks into the next."""
@@ -235,7 +249,7 @@ class WorkerRuntime:
             nns.clear_saves()
             step.phase = Phase.DONE
             return
-        if not any(
+        if self._all_lowered() or not any(
             r.mediator is not None or r.copies or r.error is not None for r in requests.requests.values()
         ):
             step.phase = Phase.DONE  # only lowered requests: nothing for the interleaver to serve
@@ -277,8 +291,6 @@ class WorkerRuntime:
             return None
         if self.kernels is not None:
             self.kernels.restore()  # the forward is over
-        if step.taps_filled:
-            self.tables.after_forward()
         if step.phase is Phase.SCHEDULED:
             self._start(step)
         if step.phase is not Phase.FORWARD:
@@ -361,26 +373,36 @@ class WorkerRuntime:
         return parts + pool_part(pooler)
 
     def _forget_lowered(self, request_ids: list[str]) -> dict[str, dict[str, Any]]:
-        """Free the table entries of the lowered requests asked about; per engine id,
-        what their blocks saved: kept rows, and the finished output under the
-        result's name for a block that got that far (as Python, the line after the
-        loop runs only once the loop's last step has; ``"output"`` stands for it
-        until the output is at hand)."""
+        """Take the lowered requests asked about off the tables; per engine id, what
+        their blocks saved: kept rows, and the finished output under the result's
+        name for a block that got that far (as Python, the line after the loop runs
+        only once the loop's last step has; ``_OUTPUT`` stands for the output until
+        it is at hand)."""
         tables = self.tables
         if tables is None or not tables.requests:
             return {}
         saved: dict[str, dict[str, Any]] = {}
         for asked in request_ids:
             for internal in self.index.answering(asked):
-                done = tables.forget(internal)
+                taken = tables.forget(internal)
                 request = self.requests.requests.get(internal)
-                if done is None or request is None:
+                if taken is None:
                     continue
-                saves = done.saves(tables.device)
-                if done.result is not None and (done.finished_loop() or done.single):
-                    saves[done.result] = _OUTPUT
-                if saves:
-                    saved.setdefault(request.engine_id, {}).update(saves)
+                lowered, steps = taken
+                try:
+                    if request is None:
+                        continue
+                    if tables.overflowed(lowered):
+                        request.error = nns.capture_exception(_overflow(lowered, internal))
+                        continue
+                    saves = tables.saves(lowered)
+                    loop_ended = lowered.stop is not None and steps >= lowered.stop
+                    if lowered.result is not None and (loop_ended or lowered.single):
+                        saves[lowered.result] = _OUTPUT
+                    if saves:
+                        saved.setdefault(request.engine_id, {}).update(saves)
+                finally:
+                    tables.release(lowered)
         return saved
 
     def _compiled_miss(self) -> str:
@@ -418,3 +440,14 @@ class WorkerRuntime:
             "graph_modes": seams.graph_mode_counts(self.runner),
             "runner": seams.runner_name(self.runner),
         }
+
+
+def _overflow(lowered: Any, request_id: str) -> Exception:
+    from .errors import KeptRowsError
+
+    return KeptRowsError(
+        f"request {request_id} computed more rows at its tap than its prompt and "
+        f"max_tokens ({lowered.rows}), so the rows its block kept are incomplete (a "
+        "preempted request recomputes its tokens). Run it again, or on an engine "
+        "with room for every running request's KV cache."
+    )
