@@ -22,6 +22,7 @@ Engines (MODEL_DIR holds a config and tokenizer; weights are ``load_format="dumm
 - ``profile``     the plugin, eager, engine and worker in one process under cProfile
 - ``profile-graphs`` the same on the graphed engine (one-token traces beside plain
                   calls, the lens, the sweep)
+- ``profile-taps`` the same on the tapped engine (lowered capture and steering)
 
 ``GPU_BENCH_REAL=1`` loads real weights (e.g. SmolLM2) instead of dummy ones;
 ``GPU_BENCH_SMALL=1`` shrinks everything for a dry run of the script on a CPU.
@@ -403,13 +404,15 @@ def nnsight_engine(path: str) -> None:
     result(engine="nnsight", job="sweep", ms=round(1000 * statistics.median(walls), 1))
 
 
-def profile_engine(path: str, graphs: bool = False) -> None:
+def profile_engine(path: str, graphs: bool = False, taps: bool = False) -> None:
     """Where a traced request's time goes: cProfile over engine and worker in one
     process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), each job split by entry point
     (``profile_cpu.PARTS``) and by the functions with the most time of their own.
     Eager (``profile``): the sweep, ten one-token traces, and 64 steered requests
     x 32 tokens. Graphed (``profile-graphs``): the sweep, ten one-token traces and
-    ten plain one-token calls beside them, and ten logit lenses."""
+    ten plain one-token calls beside them, and ten logit lenses. Tapped
+    (``profile-taps``, graphed, layer 18 tapped): the lowered capture of 1,000 x 128
+    and steering of 256 x 128, beside plain 1,000 x 128."""
     import cProfile
 
     from vllm import LLM, SamplingParams
@@ -419,8 +422,9 @@ def profile_engine(path: str, graphs: bool = False) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from profile_cpu import split, top
 
-    name = "profile-graphs" if graphs else "profile"
-    llm = LLM(path, enforce_eager=not graphs, **ENGINE)
+    name = "profile-taps" if taps else "profile-graphs" if graphs else "profile"
+    extra = {"additional_config": {"nnsight_taps": [f"model.layers.{LAYER}.output"]}} if taps else {}
+    llm = LLM(path, enforce_eager=not graphs, **ENGINE, **extra)
     model = VLLM(llm)
     vector, few, swept = unit_vector(path), prompts(CONCURRENT), fresh_prompts(SWEEP, 20)
     steer(model, few[:4], 8, vector)
@@ -430,7 +434,14 @@ def profile_engine(path: str, graphs: bool = False) -> None:
         "sweep": lambda: sweep(model, swept),
         "trace1": lambda: [trace1(model, few[0]) for _ in range(10)],
     }
-    if graphs:
+    if taps:
+        many = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True, detokenize=False)
+        jobs = {
+            "plain1000": lambda: llm.generate(prompts(MANY), many, use_tqdm=False),
+            "capture1000": lambda: capture(model, prompts(MANY), TOKENS),
+            "steer256": lambda: steer(model, prompts(WIDE), TOKENS, vector),
+        }
+    elif graphs:
         jobs["plain1"] = lambda: [
             llm.generate([p], one, use_tqdm=False) for p in fresh_prompts(10, next(runs))
         ]
@@ -561,8 +572,8 @@ if __name__ == "__main__":
         name, path, repeats = sys.argv[2], sys.argv[3], int(sys.argv[4])
         if name == "nnsight":
             nnsight_engine(path)
-        elif name in ("profile", "profile-graphs"):
-            profile_engine(path, graphs=name == "profile-graphs")
+        elif name in ("profile", "profile-graphs", "profile-taps"):
+            profile_engine(path, graphs=name != "profile", taps=name == "profile-taps")
         elif name == "hf":
             hf_engine(path)
         elif name == "hotwire":

@@ -17,6 +17,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # the test of that expiry does not wait.
 UNCOLLECTED_S = 1.0
 os.environ.setdefault("VLLM_NNSIGHT_UNCOLLECTED_S", str(UNCOLLECTED_S))
+# Pools of saves over 16 KiB go home through shared memory (default 16 MiB), so the
+# engine tests that keep rows run that path and the smaller ones the pickled one.
+os.environ.setdefault("VLLM_NNSIGHT_SHARED_SAVES_BYTES", str(16 << 10))
 
 
 def start_llm(path: str, **overrides):

@@ -192,3 +192,40 @@ def test_a_tensor_referred_to_twice_stays_one_object_as_on_the_general_path():
         assert back["t"] is back["h"].tensor
         torch.testing.assert_close(back["rows"][0], rows[0], rtol=0, atol=0)
     assert sharing[0] == sharing[1]  # two views of one storage: as the general path sends them
+
+
+def test_a_large_pool_goes_through_shared_memory_and_leaves_no_file(monkeypatch):
+    import glob
+
+    from vllm_nnsight_plugin.returns import shared
+
+    monkeypatch.setenv(shared.MIN_BYTES_ENV, "4096")
+    before = set(glob.glob(f"{shared.DIRECTORY}/{shared.PREFIX}*"))
+    kept = {f"r{i}": [torch.randn(5, 64) for _ in range(4)] for i in range(8)}
+    small = {f"r{i}": torch.arange(3, dtype=torch.int64) for i in range(8)}  # under the threshold
+    entries = {
+        rid: {"saves": {"rows": kept[rid], "ids": small[rid]}, "error": None, "sequences": {}} for rid in kept
+    }
+    pooler = Pooler()
+    parts = [pack(rid, entry, Limits(), None, pooler) for rid, entry in entries.items()]
+    extra = pool_part(pooler)
+    assert len(extra[0]) < 4_000  # the float rows are in a file, not in the message
+    written = set(glob.glob(f"{shared.DIRECTORY}/{shared.PREFIX}*")) - before
+    assert len(written) == 1
+    back = merge_replies([parts + extra])
+    for rid in kept:
+        for got, want in zip(back[rid]["saves"]["rows"], kept[rid], strict=True):
+            assert torch.equal(got, want)
+        assert torch.equal(back[rid]["saves"]["ids"], small[rid])
+        assert back[rid]["saves"]["rows"][0].untyped_storage().nbytes() == 4 * 5 * 64 * 4  # its own
+    assert not (set(glob.glob(f"{shared.DIRECTORY}/{shared.PREFIX}*")) - before)  # removed once read
+    # a pool nobody reads (another rank's copy) is removed too
+    pooler = Pooler()
+    parts = [pack(rid, entry, Limits(), None, pooler) for rid, entry in entries.items()]
+    other = pool_part(pooler)
+    pickle.loads(other[0]).close()
+    assert not (set(glob.glob(f"{shared.DIRECTORY}/{shared.PREFIX}*")) - before)
+    monkeypatch.setenv(shared.MIN_BYTES_ENV, "0")  # off: the pool travels pickled
+    pooler = Pooler()
+    parts = [pack(rid, entry, Limits(), None, pooler) for rid, entry in entries.items()]
+    assert len(pool_part(pooler)[0]) > 8 * 4 * 5 * 64 * 4

@@ -42,10 +42,20 @@ def merge_replies(replies: list) -> dict:
     """
     import pickle
 
-    from .stacked import Pool, Resolver
+    from .stacked import Pool
 
     loaded = [pickle.loads(part) for reply in replies or () if reply is not None for part in reply]
     pools = {part.id: part for part in loaded if isinstance(part, Pool)}
+    try:
+        return _merge(loaded, pools)
+    finally:
+        for pool in pools.values():
+            pool.close()  # shared memory nobody read (another rank's copy)
+
+
+def _merge(loaded: list, pools: dict) -> dict:
+    from .stacked import Pool, Resolver
+
     merged: dict[str, dict] = {}
     for part in loaded:
         if isinstance(part, Pool):

@@ -183,9 +183,40 @@ class Pool:
     """
 
     id: str
-    flats: list
+    flats: list  # tensors, or ``shared.SharedFlat`` for the large ones (``share``)
     #: index -> (which flat, offset, shape)
     places: dict[int, tuple[int, int, tuple[int, ...]]]
+
+    def share(self) -> None:
+        """Leave each large flat tensor in shared memory (the worker, before sending)."""
+        from .shared import share
+
+        self.flats = [share(flat) or flat for flat in self.flats]
+
+    def _flat(self, number: int) -> Any:
+        from .shared import SharedFlat, opened
+
+        flat = self.flats[number]
+        if isinstance(flat, SharedFlat):
+            mapped = opened(flat)
+            self.flats[number] = flat = _Mapped(mapped, flat.device)
+        return flat
+
+    def _owned(self, number: int, low: int, high: int) -> Any:
+        """A copy of ``flats[number][low:high]`` of its own, where the flat was saved."""
+        flat = self._flat(number)
+        if isinstance(flat, _Mapped):
+            part = flat.tensor[low:high]
+            return part.clone() if flat.device == "cpu" else part.to(flat.device)
+        return flat[low:high].clone()
+
+    def close(self) -> None:
+        """Remove any shared-memory file no request read (the front end, once merged)."""
+        from .shared import SharedFlat, discard
+
+        for flat in self.flats:
+            if isinstance(flat, SharedFlat):
+                discard(flat)
 
     def _span(self, index: int) -> tuple[int, int, int, tuple[int, ...]]:
         flat, offset, shape = self.places[index]
@@ -210,12 +241,20 @@ class Pool:
         if any(high - low != covered[flat] for flat, (low, high) in bounds.items()):
             # Not side by side (never made so by ``Pooler``): copy one by one
             # rather than hand out anyone else's values.
-            return {i: self.flats[f][a:b].clone().view(shape) for i, (f, a, b, shape) in spans.items()}
-        owned = {flat: self.flats[flat][low:high].clone() for flat, (low, high) in bounds.items()}
+            return {i: self._owned(f, a, b).view(shape) for i, (f, a, b, shape) in spans.items()}
+        owned = {flat: self._owned(flat, low, high) for flat, (low, high) in bounds.items()}
         return {
             index: owned[flat][start - bounds[flat][0] : end - bounds[flat][0]].view(shape)
             for index, (flat, start, end, shape) in spans.items()
         }
+
+
+@dataclass(frozen=True)
+class _Mapped:
+    """A flat tensor mapped from shared memory, and the device it was saved on."""
+
+    tensor: Any
+    device: str
 
 
 def poolable(value: Any) -> bool:

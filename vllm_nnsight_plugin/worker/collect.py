@@ -93,7 +93,10 @@ def pack(
 def pool_part(pooler: Pooler) -> list[bytes]:
     """The collect's pool of saved tensors as a reply part (none if nothing pooled)."""
     pool = pooler.pool()
-    return [] if pool is None else [pickle.dumps(pool)]
+    if pool is None:
+        return []
+    pool.share()  # large flats go by shared memory (``returns/shared.py``)
+    return [pickle.dumps(pool)]
 
 
 def synchronize_device() -> None:
