@@ -20,9 +20,10 @@ LABELS = {
     "on-eager": "plugin, eager engine",
     "nnsight": "nnsight's vLLM runner (eager)",
     "hf": "nnsight on HF transformers",
+    "hotwire": "hotwire-vllm 0.1.2 (graphs)",
 }
-JOBS = ["plain", "steer", "plain1000", "capture1000", "capture64"]
-COLORS = {"off": "#8a8a8a", "on": "#2b6cb0", "nnsight": "#c05621", "hf": "#2f855a"}
+JOBS = ["plain", "steer", "plain256", "steer256", "plain1000", "capture1000", "capture64"]
+COLORS = {"off": "#8a8a8a", "on": "#2b6cb0", "nnsight": "#c05621", "hf": "#2f855a", "hotwire": "#6b46c1"}
 
 
 def medians(paths: list[str]) -> dict[tuple[str, str], float]:

@@ -105,6 +105,7 @@ def test_the_capture_loop_is_lowered_and_keeps_what_python_keeps_bit_for_bit(smo
     python = keep_python(smol, 10, 4, 4)
     after = stats(smollm2_llm)
     assert middle["lowered"] - before["lowered"] == 1 and after["lowered"] == middle["lowered"]
+    assert middle["lowered_by"]["keep"] - before["lowered_by"]["keep"] == 1
     assert middle["kept_rows"] - before["kept_rows"] == lowered[0].shape[0] + 3
     assert [t.shape[0] for t in lowered] == [python[0].shape[0], 1, 1, 1]
     same_list(lowered, python)
@@ -124,7 +125,7 @@ def test_the_residual_stream_sum_is_kept_every_step_and_tracer_result_follows(sm
 def test_a_read_on_the_first_step_only_is_lowered(smollm2_llm, smol):
     before = stats(smollm2_llm)["lowered"]
     (last, out), (want, want_out) = first_lowered(smol, 3), first_python(smol, 3)
-    assert stats(smollm2_llm)["lowered"] - before == 1
+    assert stats(smollm2_llm)["lowered"] - before == 1 and stats(smollm2_llm)["lowered_by"]["read"] >= 1
     assert last.shape == (576,) and torch.equal(last, want)
     assert list(out.outputs[0].token_ids) == list(want_out.outputs[0].token_ids)
 

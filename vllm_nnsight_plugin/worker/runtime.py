@@ -11,7 +11,9 @@ and drives it with three plain torch hooks instead of a replacement model runner
 - a forward hook on the sampler serves ``model.samples``, ends any request
   whose block raised, and snapshots what each block saved.
 
-Finished requests are wound up and their saves packed by ``collect.py``.
+Finished requests are wound up and their saves packed by ``collect.py``. On an
+engine with taps, a request whose block is one of the forms the tap tables run
+is lowered at admission and never runs as Python (``lowering.py``).
 
 Module hooks fire only where the forward runs as Python. On an engine that
 compiles its forward (torch.compile, CUDA graphs), a step in which some block
@@ -37,6 +39,7 @@ from ..taps.spec import RUNNER_ATTR
 from ..wire.envelope import Limits
 from ..wire.references import envoy_references
 from .errors import ChunkedPromptError
+from .lowering import OUTPUT, Lowering
 from .step import Phase, Step
 
 logger = logging.getLogger("vllm_nnsight_plugin")
@@ -45,9 +48,6 @@ _UNCOLLECTED_ENV = "VLLM_NNSIGHT_UNCOLLECTED_S"
 _FALSY = {"", "0", "false", "no", "off"}
 #: ``0`` keeps every step compiled: a module location is then refused, not served.
 _EAGER_STEPS_ENV = "VLLM_NNSIGHT_EAGER_STEPS"
-
-#: Stands in a lowered request's saves for its finished output (``tracer.result``).
-_OUTPUT = object()
 
 #: The worker's nnsight adapter, imported with the first block (``_build``).
 nns: Any = None
@@ -72,7 +72,7 @@ class WorkerRuntime:
         self.eager_steps = os.environ.get(_EAGER_STEPS_ENV, "1").strip().lower() not in _FALSY
         self.python_steps = 0
         self.kernels: Any = None  # the eager kernels for a compiled engine's Python steps
-        self.lowered = 0  # requests whose blocks ran on the tap tables (taps/lower.py)
+        self.lowering = Lowering(runner)  # requests whose blocks run on the tap tables
         self.step: Step | None = None
         self.uncollected = Uncollected(float(os.environ.get(_UNCOLLECTED_ENV) or 30.0))
 
@@ -138,11 +138,15 @@ class WorkerRuntime:
                 # A lowered block counts one step per forward; a prompt split by
                 # chunked prefill (the Python path refuses it, with its reason)
                 # is never lowered.
-                if tables is not None and seams.whole_prompt_scheduled(data, scheduler_output):
+                request = requests.requests.get(data.req_id)
+                if request is None or tables is None:
+                    continue
+                if seams.whole_prompt_scheduled(data, scheduler_output):
                     rows = seams.scheduled_rows(data, scheduler_output)
-                    most = rows + int(getattr(data.sampling_params, "max_tokens", None) or 0)
+                    limit = getattr(data.sampling_params, "max_tokens", None)
+                    most = rows + int(limit) if limit else 0  # 0: unknown, never kept lowered
                     try:
-                        self._lower(requests.requests[data.req_id], tables, rows, most)
+                        self.lowering.lower(request, tables, self.model, rows, most)
                     except Exception:  # lowering is an optimisation: the block runs as Python
                         logger.exception("vllm-nnsight: could not lower request %s", data.req_id)
 
@@ -150,33 +154,6 @@ class WorkerRuntime:
     def tables(self) -> Any:
         """This runner's tap tables, or None for an engine without taps."""
         return self.runner.__dict__.get(RUNNER_ATTR)
-
-    def _lower(self, request: Any, tables: Any, rows: int, most: int) -> None:
-        """Put a request on the tap tables instead of running its block as Python,
-        when its block is exactly a form they express (``taps/lower.py``); ``rows``
-        is how many token rows its first step has, ``most`` how many it can have."""
-        from ..taps.lower import lower
-
-        mediator = request.mediator
-        if mediator is None or request.copies or request.index != 0 or request.engine_id != request.stem:
-            return
-        if seams.speculates(self.runner):
-            return  # a step's rows are then not the ones a block sees step by step
-        lowering = lower(
-            nns.block_source(mediator),
-            nns.block_scope(mediator),
-            self.model,
-            nns.InterleavingTracer,
-            tables,
-            seams.model_dtype(self.runner),
-            rows,
-        )
-        room = 0
-        if lowering is not None and lowering.lowered.code:
-            room = rows if lowering.lowered.single else most
-        if lowering is not None and tables.add(request.id, lowering.lowered, lowering.vector, room):
-            request.mediator = None  # nothing of it runs as Python
-            self.lowered += 1
 
     def fill_taps(self) -> None:
         """Called once a forward's layout is known: this step's rows into the tap tables."""
@@ -351,7 +328,7 @@ class WorkerRuntime:
         from .collect import pack, pool_part, synchronize_device, wind_up
 
         finished = pickle.loads(outputs) if outputs else None
-        lowered = self._forget_lowered(request_ids)
+        lowered = self.lowering.forget(self.tables, self.index, self.requests, request_ids)
         reporting = seams.reports_saves()
         entries = wind_up(self.requests, self.model, self.index, request_ids, finished, reporting)
         if reporting:
@@ -359,7 +336,7 @@ class WorkerRuntime:
                 if engine_id not in entries:
                     continue
                 for name, value in saves.items():
-                    if value is _OUTPUT:
+                    if value is OUTPUT:
                         if not finished or engine_id not in finished:
                             continue
                         value = finished[engine_id]
@@ -371,39 +348,6 @@ class WorkerRuntime:
         pooler = Pooler()
         parts = [pack(rid, entries.get(rid), self.limits, miss, pooler) for rid in request_ids]
         return parts + pool_part(pooler)
-
-    def _forget_lowered(self, request_ids: list[str]) -> dict[str, dict[str, Any]]:
-        """Take the lowered requests asked about off the tables; per engine id, what
-        their blocks saved: kept rows, and the finished output under the result's
-        name for a block that got that far (as Python, the line after the loop runs
-        only once the loop's last step has; ``_OUTPUT`` stands for the output until
-        it is at hand)."""
-        tables = self.tables
-        if tables is None or not tables.requests:
-            return {}
-        saved: dict[str, dict[str, Any]] = {}
-        for asked in request_ids:
-            for internal in self.index.answering(asked):
-                taken = tables.forget(internal)
-                request = self.requests.requests.get(internal)
-                if taken is None:
-                    continue
-                lowered, steps = taken
-                try:
-                    if request is None:
-                        continue
-                    if tables.overflowed(lowered):
-                        request.error = nns.capture_exception(_overflow(lowered, internal))
-                        continue
-                    saves = tables.saves(lowered)
-                    loop_ended = lowered.stop is not None and steps >= lowered.stop
-                    if lowered.result is not None and (loop_ended or lowered.single):
-                        saves[lowered.result] = _OUTPUT
-                    if saves:
-                        saved.setdefault(request.engine_id, {}).update(saves)
-                finally:
-                    tables.release(lowered)
-        return saved
 
     def _compiled_miss(self) -> str:
         """Why a module location was never reached on this compiled engine."""
@@ -435,19 +379,8 @@ class WorkerRuntime:
             "compiled_engine": not self.eager,
             "uncompiled_steps": self.python_steps,
             "eager_kernels": 0 if self.kernels is None else len(self.kernels),
-            "lowered": self.lowered,
+            **self.lowering.stats(),
             **({} if self.tables is None else self.tables.stats()),
             "graph_modes": seams.graph_mode_counts(self.runner),
             "runner": seams.runner_name(self.runner),
         }
-
-
-def _overflow(lowered: Any, request_id: str) -> Exception:
-    from .errors import KeptRowsError
-
-    return KeptRowsError(
-        f"request {request_id} computed more rows at its tap than its prompt and "
-        f"max_tokens ({lowered.rows}), so the rows its block kept are incomplete (a "
-        "preempted request recomputes its tokens). Run it again, or on an engine "
-        "with room for every running request's KV cache."
-    )
