@@ -139,13 +139,7 @@ def steer_tokens_python(model, batch, tokens, vector) -> list[list[int]]:
 
 def capture(model, batch, tokens) -> int:
     """Rows kept in all (prompt rows plus one per generated token, per request)."""
-    layer = model.model.layers[LAYER]
-    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
-        for ids in batch:
-            with tracer.invoke(ids):
-                rows = list().save()
-                for _ in tracer.iter[:tokens]:
-                    rows.append(layer.output[0].clone())
+    rows = capture_rows(model, batch, tokens)
     per_request = rows if len(batch) > 1 else [rows]
     return sum(sum(r.shape[0] for r in kept) for kept in per_request)
 

@@ -159,3 +159,22 @@ def test_kept_and_other_requests_in_one_trace(smollm2_llm, smol):
         assert torch.allclose(a, b, atol=1e-5, rtol=0)
     assert first.shape == (576,) and len(plain.outputs[0].token_ids) == 4
     assert stats(smollm2_llm)["tracked"] == 0
+
+
+LONG = "The history of the city goes back many centuries, " * 4 + "and today it is"
+
+
+def test_a_cached_prompt_is_computed_whole_for_a_lowered_read(smollm2_llm, smol):
+    """A traced request never reads the prefix cache, lowered or not: its first step
+    keeps every prompt row even when a plain request just cached that prompt."""
+    from vllm import SamplingParams
+
+    smollm2_llm.generate([LONG], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    before = stats(smollm2_llm)["lowered"]
+    with smol.trace(LONG, temperature=0.0, max_tokens=2) as tracer:
+        rows = list().save()
+        for _ in tracer.iter[:2]:
+            rows.append(smol.model.layers[10].output[0].clone())
+    prompt = len(smollm2_llm.get_tokenizer()(LONG).input_ids)
+    assert prompt > 32 and stats(smollm2_llm)["lowered"] - before == 1
+    assert [t.shape[0] for t in rows] == [prompt, 1]

@@ -11,6 +11,8 @@ their addresses); before each step only their contents change:
 - ``codes[site, row]`` and ``dest[site, row]``: what to keep of that row at that
   tap (``ops.keep``; 0 for nothing), and where in the store (``kept.py``).
 
+All three are views of one ``[row, table, site]`` tensor.
+
 The rows a step's requests occupy come from the runner's persistent batch (the
 same reading as the Python path's). The three tables are one tensor, staged on
 the host (double-buffered, so filling the next step never races the upload of
@@ -64,10 +66,13 @@ class TapTables:
         self.hidden = hidden
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
-        table = torch.zeros((3, len(sites), max_tokens), dtype=torch.int32, device=self.device)
-        table[0].fill_(-1)
+        # Row-major by token row, so the rows [0, n) a step uses are one contiguous
+        # block (an asynchronous upload from pinned memory); the ops read
+        # ``[site, row]`` views of it.
+        table = torch.zeros((max_tokens, 3, len(sites)), dtype=torch.int32, device=self.device)
+        table[:, 0].fill_(-1)
         self._table = table
-        self.slots, self.codes, self.dest = table[0], table[1], table[2]
+        self.slots, self.codes, self.dest = (table[:, part].t() for part in range(3))
         self.bank = torch.zeros((entries, hidden), dtype=torch.float32, device=self.device)
         rows = kept_rows or store_rows(hidden * dtype.itemsize, cuda)
         self.store = torch.zeros((rows, hidden), dtype=dtype, device=self.device)
@@ -162,13 +167,13 @@ class TapTables:
         table = staging.numpy()
         dirty = self._dirty[self._turn]
         if dirty:
-            table[0, :, :dirty] = -1
-            table[1:, :, :dirty] = 0
+            table[:dirty, 0] = -1
+            table[:dirty, 1:] = 0
         used = self._place(table, req_ids, np.asarray(bounds, dtype=np.int64))
         self._dirty[self._turn] = used
         rows = max(used, self._uploaded)
         if rows:
-            self._table[:, :, :rows].copy_(staging[:, :, :rows], non_blocking=True)
+            self._table[:rows].copy_(staging[:rows], non_blocking=True)
             self._turn ^= 1
         self._uploaded = used
 
@@ -199,13 +204,13 @@ class TapTables:
         within = np.arange(total, dtype=np.int64) - offsets
         slab = np.repeat(starts, counts) + within
         kind, site = self._kind[each], self._site[each]
-        table[kind, site, slab] = self._value[each]
+        table[slab, kind, site] = self._value[each]
         keeping = kind == 1
         if keeping.any():
             kept = each[keeping]
             place = self._done[kept] + within[keeping]
             fits = place < self._room[kept]
-            table[2, site[keeping], slab[keeping]] = np.where(fits, self._base[kept] + place, 0)
+            table[slab[keeping], 2, site[keeping]] = np.where(fits, self._base[kept] + place, 0)
             mine = self._kind[entries] == 1  # entries appear once each: add per entry
             self._done[entries[mine]] += counts[mine]
             self.kept_rows += int(counts[mine].sum())
