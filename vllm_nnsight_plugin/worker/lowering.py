@@ -86,7 +86,11 @@ class Lowering:
                     if tables.overflowed(lowered):
                         request.error = nns.capture_exception(_overflow(lowered, internal))
                         continue
-                    saves = tables.saves(lowered)
+                    try:
+                        saves = tables.saves(lowered)
+                    except Exception as error:  # that request's failure, no other's
+                        request.error = nns.capture_exception(error)
+                        continue
                     loop_ended = lowered.stop is not None and steps >= lowered.stop
                     if lowered.result is not None and (loop_ended or lowered.single):
                         saves[lowered.result] = OUTPUT
