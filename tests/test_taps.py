@@ -190,7 +190,7 @@ def test_the_tables_point_each_steps_rows_at_their_requests():
 
 def test_kept_rows_go_straight_to_each_requests_region_of_the_store():
     tables = TapTables(
-        ("model.layers.0", "model.layers.1"), max_tokens=8, hidden=3, entries=4, device="cpu", kept_rows=32
+        ("model.layers.0", "model.layers.1"), max_tokens=8, hidden=3, entries=4, device="cpu", store_size=32
     )
     keep = Lowered(1, 0, 3, None, code=KEEP_SUM, name="rows")
     read = Lowered(0, 0, 1, "out", code=KEEP_SECOND, name="last", select=-1, single=True)
@@ -234,7 +234,7 @@ def test_the_store_hands_out_and_merges_regions():
 
 
 def test_a_tap_whose_forward_may_not_return_a_tuple_takes_no_lowered_request():
-    tables = TapTables(("model.norm",), 4, 2, 2, "cpu", tuple_sites=frozenset(), kept_rows=4)
+    tables = TapTables(("model.norm",), 4, 2, 2, "cpu", tuple_sites=frozenset(), store_size=4)
     assert not tables.add("a", steering(0, 0, None), torch.ones(2))
 
 

@@ -350,7 +350,5 @@ __all__ = [
     "scheduled_rows",
     "speculates",
     "step_rows",
-    "speculates",
-    "step_rows",
     "worker",
 ]

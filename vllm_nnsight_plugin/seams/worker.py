@@ -121,12 +121,10 @@ class StepLayout:
     __slots__ = ("req_ids", "starts", "counts")
 
     def __init__(self, runner: Any) -> None:
-        batch = runner.input_batch
-        n = batch.num_reqs
-        qsl = runner.query_start_loc.np[: n + 1]
-        self.req_ids: list[str] = list(batch.req_ids[:n])
-        self.starts = [int(x) for x in qsl[:n]]
-        self.counts = [int(qsl[i + 1] - qsl[i]) for i in range(n)]
+        req_ids, bounds = step_rows(runner)
+        self.req_ids: list[str] = list(req_ids)
+        self.starts = [int(x) for x in bounds[:-1]]
+        self.counts = [int(b - a) for a, b in zip(bounds[:-1], bounds[1:])]
 
     def spans(self) -> list[tuple[str, int]]:
         return list(zip(self.req_ids, self.counts))
@@ -134,7 +132,8 @@ class StepLayout:
 
 def step_rows(runner: Any) -> tuple[list[str], Any]:
     """This step's request ids in row order and their row offsets (``n + 1``, a
-    numpy array): what ``StepLayout`` reads, without building per-request lists."""
+    numpy array), as the persistent batch holds them: what ``StepLayout`` is
+    built from, and what the tap tables read without per-request lists."""
     batch = runner.input_batch
     n = batch.num_reqs
     return batch.req_ids[:n], runner.query_start_loc.np[: n + 1]

@@ -56,7 +56,7 @@ class TapTables:
         device: Any,
         dtype: torch.dtype = torch.float32,
         tuple_sites: frozenset[int] | None = None,
-        kept_rows: int | None = None,
+        store_size: int | None = None,
     ):
         self.sites = sites
         self.site_of = {path: i for i, path in enumerate(sites)}
@@ -74,7 +74,7 @@ class TapTables:
         self._table = table
         self.slots, self.codes, self.dest = (table[:, part].t() for part in range(3))
         self.bank = torch.zeros((entries, hidden), dtype=torch.float32, device=self.device)
-        rows = kept_rows or store_rows(hidden * dtype.itemsize, cuda)
+        rows = store_size or store_rows(hidden * dtype.itemsize, cuda)
         self.store = torch.zeros((rows, hidden), dtype=dtype, device=self.device)
         self.regions = Regions(rows)
         self._staging = [table.cpu().pin_memory() if cuda else table.clone() for _ in range(2)]

@@ -35,7 +35,7 @@ from .kept import Lowered
 
 
 @dataclass(frozen=True)
-class Lowering:
+class LoweredBlock:
     """A lowered block: the tap it works on, its request's entry, its vector if it steers."""
 
     site: str  # module path relative to the model, as in the taps
@@ -51,7 +51,7 @@ def lower(
     tables: Any,
     dtype: torch.dtype,
     prompt_len: int,
-) -> Lowering | None:
+) -> LoweredBlock | None:
     """The lowered form of a block, or None when it must run as Python."""
     form = block_form(source) if source else None
     if form is None or (form.tracer is not None and not isinstance(scope.get(form.tracer), tracer_type)):
@@ -69,9 +69,9 @@ def lower(
             return None  # Python raises on the first step: let it
         lowered.code, lowered.name = form.code, form.kept
         lowered.select, lowered.single = form.select, form.single
-        return Lowering(path, lowered, None)
+        return LoweredBlock(path, lowered, None)
     vector = _vector(form, scope, tables.hidden, dtype, tables.device)
-    return None if vector is None else Lowering(path, lowered, vector)
+    return None if vector is None else LoweredBlock(path, lowered, vector)
 
 
 def _vector(form: Form, scope: dict[str, Any], width: int, dtype: torch.dtype, device: Any) -> Any:
