@@ -38,6 +38,10 @@ last prompt row, then generate (64 x 128), ``lens`` the logit lens over every
 layer for one prompt, one batched unembed (latency). On ``on-taps``,
 ``taps_check`` and ``capture_check`` compare the lowered steering and capture with
 the same blocks written to run as Python.
+
+Every timed job runs on prompts no earlier job used (``unique``): a traced request
+never reads the prefix cache, so a plain job on repeated prompts would be spared
+prefill work that the traced job beside it does.
 """
 
 from __future__ import annotations
@@ -89,6 +93,17 @@ def fresh_prompts(n: int, run: int) -> list[list[int]]:
     plain request would otherwise be served from the prefix cache (a traced one
     never is)."""
     return [[run + 1, i % 1000 + 1, i // 1000 + 1] + p[3:] for i, p in enumerate(prompts(n))]
+
+
+_RUNS = itertools.count(100)
+
+
+def unique(n: int) -> list[list[int]]:
+    """``n`` prompts no other call used. Every timed job gets its own: a traced
+    request never reads the prefix cache (its block must see every prompt row),
+    so a plain job that repeated earlier prompts would skip prefill work that
+    the traced job it is compared with does."""
+    return fresh_prompts(n, next(_RUNS))
 
 
 def timed(fn) -> float:
@@ -239,18 +254,18 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
     llm = LLM(path, enforce_eager=(kind == "eager"), **ENGINE, **extra)
     result(engine=name, job="startup", s=round(time.perf_counter() - t0, 1))
     params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True, detokenize=False)
-    few, many = prompts(CONCURRENT), prompts(MANY)
+    few = prompts(CONCURRENT)
     llm.generate(few[:8], SamplingParams(max_tokens=16, ignore_eos=True, detokenize=False), use_tqdm=False)
 
     def plain(batch):
         return timed(lambda: llm.generate(batch, params, use_tqdm=False))
 
     for _ in range(repeats):
-        result(engine=name, job="plain", tok_s=round(CONCURRENT * TOKENS / plain(few), 1))
+        result(engine=name, job="plain", tok_s=round(CONCURRENT * TOKENS / plain(unique(CONCURRENT)), 1))
     if kind in ("graphs", "taps"):
-        result(engine=name, job="plain1000", tok_s=round(MANY * TOKENS / plain(many), 1))
+        result(engine=name, job="plain1000", tok_s=round(MANY * TOKENS / plain(unique(MANY)), 1))
     if kind == "taps" or (kind == "graphs" and plugin == "off"):
-        result(engine=name, job="plain256", tok_s=round(WIDE * TOKENS / plain(prompts(WIDE)), 1))
+        result(engine=name, job="plain256", tok_s=round(WIDE * TOKENS / plain(unique(WIDE)), 1))
     one = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
     # Fresh prompts: a traced request never reads the prefix cache, so its plain
     # counterpart must not either.
@@ -268,7 +283,8 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
     vector = unit_vector(path)
     steer(model, few[:4], 8, vector)  # warm-up: builds the worker's tree
     for _ in range(max(1, repeats // 2)):
-        wall = timed(lambda: steer(model, few, TOKENS, vector))
+        batch = unique(CONCURRENT)
+        wall = timed(lambda batch=batch: steer(model, batch, TOKENS, vector))
         result(engine=name, job="steer", tok_s=round(CONCURRENT * TOKENS / wall, 1))
     if kind == "taps":
         (before,) = llm.collective_rpc("nnsight_stats")
@@ -292,7 +308,7 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
             steered=sum(a != b for a, b in zip(lowered_ids, plain_ids)),
             of=len(lowered_ids),
         )
-        wide = prompts(WIDE)
+        wide = unique(WIDE)
         wall = timed(lambda: steer(model, wide, TOKENS, vector))
         result(engine=name, job="steer256", tok_s=round(WIDE * TOKENS / wall, 1))
         (before,) = llm.collective_rpc("nnsight_stats")
@@ -316,11 +332,13 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
         )
     prompt_read(model, few[:4], 8)
     for _ in range(max(1, repeats // 2)):
-        wall = timed(lambda: prompt_read(model, few, TOKENS))
+        batch = unique(CONCURRENT)
+        wall = timed(lambda batch=batch: prompt_read(model, batch, TOKENS))
         result(engine=name, job="prompt_read", tok_s=round(CONCURRENT * TOKENS / wall, 1))
     n = MANY if kind in ("graphs", "taps") else CONCURRENT
     kept = []
-    wall = timed(lambda: kept.append(capture(model, prompts(n), TOKENS)))
+    batch = unique(n)
+    wall = timed(lambda: kept.append(capture(model, batch, TOKENS)))
     rows = kept[0]
     result(engine=name, job=f"capture{n}", tok_s=round(n * TOKENS / wall, 1), rows=rows)
     lens(model, few[0])
@@ -356,17 +374,17 @@ def hotwire_engine(path: str, repeats: int) -> None:
     steered = SamplingParams(
         temperature=0.0, max_tokens=TOKENS, ignore_eos=True, detokenize=False, extra_args={"hotwire": spec}
     )
-    few, wide = prompts(CONCURRENT), prompts(WIDE)
+    few = prompts(CONCURRENT)
     llm.generate(few[:8], steered, use_tqdm=False)
     for _ in range(repeats):
-        wall = timed(lambda: llm.generate(few, plain, use_tqdm=False))
-        result(engine="hotwire", job="plain", tok_s=round(CONCURRENT * TOKENS / wall, 1))
-        wall = timed(lambda: llm.generate(few, steered, use_tqdm=False))
-        result(engine="hotwire", job="steer", tok_s=round(CONCURRENT * TOKENS / wall, 1))
-    wall = timed(lambda: llm.generate(wide, plain, use_tqdm=False))
-    result(engine="hotwire", job="plain256", tok_s=round(WIDE * TOKENS / wall, 1))
-    wall = timed(lambda: llm.generate(wide, steered, use_tqdm=False))
-    result(engine="hotwire", job="steer256", tok_s=round(WIDE * TOKENS / wall, 1))
+        for job, params in (("plain", plain), ("steer", steered)):
+            batch = unique(CONCURRENT)
+            wall = timed(lambda batch=batch, params=params: llm.generate(batch, params, use_tqdm=False))
+            result(engine="hotwire", job=job, tok_s=round(CONCURRENT * TOKENS / wall, 1))
+    for job, params in (("plain256", plain), ("steer256", steered)):
+        batch = unique(WIDE)
+        wall = timed(lambda batch=batch, params=params: llm.generate(batch, params, use_tqdm=False))
+        result(engine="hotwire", job=job, tok_s=round(WIDE * TOKENS / wall, 1))
     steered_ids = llm.generate(few[:8], steered, use_tqdm=False)
     plain_ids = llm.generate(few[:8], plain, use_tqdm=False)
     changed = sum(
@@ -431,9 +449,9 @@ def profile_engine(path: str, graphs: bool = False, taps: bool = False) -> None:
     if taps:
         many = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True, detokenize=False)
         jobs = {
-            "plain1000": lambda: llm.generate(prompts(MANY), many, use_tqdm=False),
-            "capture1000": lambda: capture(model, prompts(MANY), TOKENS),
-            "steer256": lambda: steer(model, prompts(WIDE), TOKENS, vector),
+            "plain1000": lambda: llm.generate(unique(MANY), many, use_tqdm=False),
+            "capture1000": lambda: capture(model, unique(MANY), TOKENS),
+            "steer256": lambda: steer(model, unique(WIDE), TOKENS, vector),
         }
     elif graphs:
         jobs["plain1"] = lambda: [

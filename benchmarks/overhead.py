@@ -11,11 +11,15 @@ other (vLLM loads plugins per process, so "without the plugin" needs its own):
   each invoke keeping one layer's last row), counted in prompts/s.
 
 Each job generates ``--prompts`` x ``--tokens`` greedy tokens (``ignore_eos``)
-and is repeated ``--repeats`` times; the best run counts. Ratios are tokens/s
+and is repeated ``--repeats`` times; the best run counts. Every run has prompts
+of its own (a traced request never reads the prefix cache, so a plain run on
+repeated prompts would skip work the traced run does). Ratios are tokens/s
 against ``plain`` (another process, so it carries that process's noise) and
 against ``idle`` (the same engine, same process: the cost of the block itself).
+With ``--taps`` both engines are built with layer ``--layer`` tapped, so the
+capture and steering blocks run lowered onto the tap (``docs/taps.md``).
 
-    python benchmarks/overhead.py --prompts 16 --tokens 32
+    python benchmarks/overhead.py --prompts 16 --tokens 32 [--taps]
 """
 
 from __future__ import annotations
@@ -29,10 +33,13 @@ import sys
 import time
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle number"
+_RUNS = iter(range(1_000_000))
 
 
 def prompts(n: int) -> list[str]:
-    return [f"{PROMPT} {i}." for i in range(n)]
+    """``n`` prompts no earlier call used (they differ from the first token on)."""
+    run = next(_RUNS)
+    return [f"{run}: {PROMPT} {i}." for i in range(n)]
 
 
 def run_jobs(args: argparse.Namespace, jobs: list[str]) -> dict:
@@ -48,6 +55,7 @@ def run_jobs(args: argparse.Namespace, jobs: list[str]) -> dict:
         enforce_eager=True,
         gpu_memory_utilization=0.3,
         max_num_seqs=max(16, args.prompts),
+        additional_config={"nnsight_taps": [f"model.layers.{args.layer}.output"]} if args.taps else {},
     )
     batch = prompts(args.prompts)
     sampling = dict(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
@@ -55,8 +63,10 @@ def run_jobs(args: argparse.Namespace, jobs: list[str]) -> dict:
     results: dict[str, float] = {}
 
     def timed(fn) -> float:
+        nonlocal batch, swept
         best = 0.0
         for _ in range(args.repeats):
+            batch, swept = prompts(args.prompts), prompts(args.sweep)
             started = time.perf_counter()
             produced = fn()
             best = max(best, produced / (time.perf_counter() - started))
@@ -66,7 +76,7 @@ def run_jobs(args: argparse.Namespace, jobs: list[str]) -> dict:
         outs = llm.generate(batch, SamplingParams(**sampling), use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outs)
 
-    swept = [f"{PROMPT} {i} of {args.sweep}." for i in range(args.sweep)]
+    swept = prompts(args.sweep)
 
     def idle_sweep() -> int:
         llm.generate(swept, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
@@ -130,6 +140,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layer", type=int, default=10)
     parser.add_argument("--sweep", type=int, default=128)
+    parser.add_argument("--taps", action="store_true", help="tap --layer: capture and steer run lowered")
     parser.add_argument("--jobs", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -141,9 +152,12 @@ def main() -> None:
         env = dict(os.environ)
         if disable:
             env["VLLM_NNSIGHT_DISABLE"] = "1"
-        command = [sys.executable, __file__, "--jobs", jobs] + [
-            f"--{k}={v}" for k, v in vars(args).items() if v is not None and k != "jobs"
+        flags = [
+            f"--{k}" if v is True else f"--{k}={v}"
+            for k, v in vars(args).items()
+            if v is not None and v is not False and k != "jobs"
         ]
+        command = [sys.executable, __file__, "--jobs", jobs, *flags]
         out = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
         for line in out.stdout.splitlines():
             if line.startswith("RESULT "):
@@ -159,7 +173,10 @@ def main() -> None:
         f"# {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} cores, vLLM {vllm.__version__}, torch {torch.__version__}"
     )
-    print(f"# {args.prompts} prompts x {args.tokens} tokens, best of {args.repeats}, layer {args.layer}")
+    taps = f", layer {args.layer} tapped" if args.taps else ""
+    print(
+        f"# {args.prompts} prompts x {args.tokens} tokens, best of {args.repeats}, layer {args.layer}{taps}"
+    )
     idle = results["idle"]
     print("| job | tokens/s | vs plain (plugin off) | vs idle (same engine) |")
     print("| --- | ---: | ---: | ---: |")

@@ -88,6 +88,8 @@ def main() -> None:
     parser.add_argument("--sweep", type=int, default=1024)
     parser.add_argument("--jobs", default="sweep,forward,steer,capture")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--taps", action="store_true", help="tap layer L, so steer and capture are lowered")
+    parser.add_argument("--batch", type=int, default=64, help="requests in the steer and capture jobs")
     parser.add_argument("--dump", help="folder to write each job's pstats file to")
     args = parser.parse_args()
 
@@ -110,6 +112,7 @@ def main() -> None:
         kv_cache_memory_bytes=1 << 30,
         max_num_seqs=256,
         max_num_batched_tokens=8192,
+        additional_config={"nnsight_taps": [f"model.layers.{args.layer}.output"]} if args.taps else {},
     )
     model = VLLM(llm)
     torch.manual_seed(0)
@@ -130,8 +133,8 @@ def main() -> None:
     jobs = {  # (traced, plain); the blocks are the GPU benchmark's own
         "sweep": (lambda: blocks.sweep(model, ids(args.sweep)), lambda: plain(args.sweep, 1)),
         "forward": (lambda: blocks.trace1(model, ids(1)[0]), lambda: plain(1, 1)),
-        "steer": (lambda: blocks.steer(model, ids(64), 16, vector), lambda: plain(64, 16)),
-        "capture": (lambda: blocks.capture(model, ids(64), 16), lambda: plain(64, 16)),
+        "steer": (lambda: blocks.steer(model, ids(args.batch), 16, vector), lambda: plain(args.batch, 16)),
+        "capture": (lambda: blocks.capture(model, ids(args.batch), 16), lambda: plain(args.batch, 16)),
     }
     for name in args.jobs.split(","):
         traced, untraced = jobs[name]

@@ -81,3 +81,33 @@ def test_local_signature_accepts_only_the_engines_key(monkeypatch):
     monkeypatch.delenv(trust.LOCAL_KEY_ENV, raising=False)
     with pytest.raises(trust.UntrustedBlockError):  # trusts nothing
         trust.check_local(sealed, signature)
+
+
+def test_a_remembered_envelope_is_still_checked_against_its_signature_and_key(monkeypatch):
+    """The worker remembers an envelope it opened, by the envelope and its signature:
+    the same envelope with another signature, or under another key, is checked
+    afresh (and refused), and an envelope that can expire is never remembered."""
+    import hashlib
+
+    from vllm_nnsight_plugin.wire import trust
+    from vllm_nnsight_plugin.worker import admit
+
+    trust.ensure_local_key()
+    limits = Limits()
+    sealed = seal(b"block" * 20, **VERSIONS)
+    signature = trust.local_signature(sealed)
+    assert signature == trust._hmac(trust.local_key(), sealed)  # the memo's is the HMAC
+    want = (b"block" * 20, hashlib.blake2b(b"block" * 20, digest_size=32).digest())
+    assert admit.opened(sealed, signature, limits) == want
+    assert admit.opened(sealed, signature, limits) == want  # remembered
+    for bad in ("0" * 64, trust.local_signature(sealed + "x")):
+        with pytest.raises(trust.UntrustedBlockError):
+            admit.opened(sealed, bad, limits)
+    with pytest.raises(EnvelopeError, match="limit of 10 bytes"):  # the limit is part of the key
+        admit.opened(sealed, signature, Limits(max_payload_bytes=10))
+    monkeypatch.setattr(trust, "_LOCAL_KEY", "another key")  # a signature from another engine
+    with pytest.raises(trust.UntrustedBlockError):
+        admit.opened(sealed, trust._hmac("yet another", sealed), limits)
+    expiring = seal(b"block", key="k" * 40, ttl_s=60, **VERSIONS)
+    admit.opened(expiring, trust.local_signature(expiring), limits)
+    assert not any(key[0] == expiring for key in admit._opened)

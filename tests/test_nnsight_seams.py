@@ -39,7 +39,11 @@ def test_instance_state_the_worker_reads_exists():
     mediator = nns.Mediator(compile("x = 1", "<t>", "exec"), {}, {})
     request = nns.Request("abc-0123abcd")
     requests = nns.new_requests()
-    for obj, name in ((mediator, "Mediator"), (request, "Request"), (requests, "Requests")):
+    from vllm_nnsight_plugin.worker.batching import CheckedBatcher
+
+    batcher = CheckedBatcher(None)
+    pairs = ((mediator, "Mediator"), (request, "Request"), (requests, "Requests"), (batcher, "VLLMBatcher"))
+    for obj, name in pairs:
         for attribute in nns.INSTANCE_TOUCHES[name]:
             assert hasattr(obj, attribute), f"{name}.{attribute} is gone"
     assert (request.engine_id, request.stem) == ("abc", "abc")
@@ -110,3 +114,45 @@ def test_the_clients_memoized_reduction_gives_nnsights_result():
         assert ours[2] == {k: lcls[k] for k in ("layer", "scale", "v", "rows")}
     names = serialization._function_referenced_names("def g(a):\n    return a + b\n")
     assert names == client_nns.ORIGINALS["_function_referenced_names"]("def g(a):\n    return a + b\n")
+
+
+def test_a_traces_invokes_share_a_pickle_only_where_their_own_would_be_the_same(trees, monkeypatch):
+    """Within one attach, an invoke gets an earlier invoke's bytes only when it has
+    the same source and captures the same objects, all of kinds whose pickle is the
+    value's alone; every invoke's bytes equal what nnsight's own pickling gives."""
+    import nnsight.modeling.vllm.vllm as nnsight_vllm
+
+    client, _ = trees
+    client_nns.reduce_once()
+    memoized, original = nnsight_vllm.dumps, client_nns.ORIGINALS["dumps"]
+    made: list[tuple[bytes, bytes]] = []
+
+    def recording(mediator):
+        data = memoized(mediator)
+        made.append((data, original(mediator)))  # nnsight's own, in the same attach
+        return data
+
+    monkeypatch.setattr(nnsight_vllm, "dumps", recording)
+    vector, box = torch.randn(576), [1.0]
+    with client.requests(temperature=0.0, max_tokens=2) as tracer:
+        for scale in (1.0, 1.0, 2.0):
+            with tracer.invoke("The capital of France is"):
+                client.model.layers[3].output[0][:] += vector
+                client.model.layers[4].output[0][:] *= scale
+        for _ in range(2):
+            with tracer.invoke("Water boils at"):
+                client.model.layers[3].output[0][:] *= box[0]  # a list: pickled each time
+    assert len(made) == 5 and all(ours == theirs for ours, theirs in made)
+    ours = [data for data, _ in made]
+    assert ours[0] is ours[1]  # the same objects: one pickle
+    assert ours[2] is not ours[0] and ours[2] != ours[0]  # its own scale
+    assert ours[3] is not ours[4]  # a list's pickle is never shared
+    envelopes = [params.extra_args["nnsight"] for params in tracer.prepared.params]
+    assert envelopes[0] is envelopes[1] and envelopes[2] != envelopes[0]  # one envelope per block
+    assert client_nns._PICKLES.get() is None  # outside an attach, nothing is memoized
+    with client.requests(temperature=0.0, max_tokens=2, key="k" * 40) as tracer:
+        for _ in range(2):
+            with tracer.invoke("The capital of France is"):
+                client.model.layers[3].output[0][:] += vector
+    signed = [params.extra_args["nnsight"] for params in tracer.prepared.params]
+    assert signed[0] != signed[1]  # a signed envelope is good once: each has its own nonce

@@ -178,3 +178,75 @@ def test_a_cached_prompt_is_computed_whole_for_a_lowered_read(smollm2_llm, smol)
     prompt = len(smollm2_llm.get_tokenizer()(LONG).input_ids)
     assert prompt > 32 and stats(smollm2_llm)["lowered"] - before == 1
     assert [t.shape[0] for t in rows] == [prompt, 1]
+
+
+def test_one_loops_invokes_share_a_block_and_each_is_checked_on_its_own_prompt(smollm2_llm, smol):
+    """The invokes of one loop carry the same bytes: the first is loaded and lowered,
+    the rest are lowered from it without loading; each read is still checked
+    against its own prompt (row 3 of a two-token prompt raises, as Python does),
+    and each gets the rows of its own request."""
+    import pytest
+
+    import vllm_nnsight_plugin
+
+    prompts = [PROMPT, "Water boils at a temperature of", "Hi there"]
+    before = stats(smollm2_llm)
+    with smol.requests(temperature=0.0, max_tokens=2) as tracer:
+        for prompt in prompts:
+            with tracer.invoke(prompt):
+                row = smol.model.layers[10].output[0][3].clone().save()  # noqa: F841
+    prepared = tracer.prepared
+    outs = smollm2_llm.generate(prepared.prompts, prepared.params, use_tqdm=False)
+    after = stats(smollm2_llm)
+    assert after["lowered"] - before["lowered"] == 2  # the short prompt runs as Python
+    assert after["lowered_unloaded"] - before["lowered_unloaded"] == 1
+    with pytest.raises(Exception, match="index 3 is out of bounds|out of range|IndexError"):
+        vllm_nnsight_plugin.saves(outs[2])
+    for out, prompt in zip(outs[:2], prompts[:2]):
+        got = vllm_nnsight_plugin.saves(out)["row"]
+        want = first_row(smol, prompt)
+        assert got.shape == (576,) and torch.allclose(got, want, atol=1e-5, rtol=0)  # batched vs alone
+    assert stats(smollm2_llm)["tracked"] == 0
+
+
+def first_row(model, prompt):
+    with model.trace(prompt, temperature=0.0, max_tokens=1):
+        hidden = model.model.layers[10].output[0]
+        row = hidden[3].clone().save()
+    return row
+
+
+def keep_until_stop_lowered(model, stop):
+    with model.trace(PROMPT, temperature=0.0, max_tokens=6, stop_token_ids=[stop]) as tracer:
+        rows = list().save()
+        for _ in tracer.iter[:6]:
+            rows.append(model.model.layers[10].output[0].clone())
+    return rows
+
+
+def keep_until_stop_python(model, stop):
+    with model.trace(PROMPT, temperature=0.0, max_tokens=6, stop_token_ids=[stop]) as tracer:
+        rows = list().save()
+        for _ in tracer.iter[:6]:
+            out = model.model.layers[10].output
+            rows.append(out[0].clone())
+    return rows
+
+
+def test_a_request_that_ends_early_keeps_the_steps_it_ran_on_both_paths(smollm2_llm, smol):
+    """Stopped by a stop token before its loop's last step, a lowered request keeps
+    one entry per forward it was in, as the Python loop does."""
+    from vllm import SamplingParams
+
+    (plain,) = smollm2_llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
+    tokens = list(plain.outputs[0].token_ids)
+    stop = tokens[2]
+    ran = tokens.index(stop) + 1  # forwards until the stop token is drawn
+    assert ran < 6
+    before = stats(smollm2_llm)["lowered"]
+    lowered = keep_until_stop_lowered(smol, stop)
+    assert stats(smollm2_llm)["lowered"] - before == 1
+    python = keep_until_stop_python(smol, stop)
+    assert len(lowered) == ran
+    same_list(lowered, python)
+    assert stats(smollm2_llm)["tracked"] == 0

@@ -1,24 +1,40 @@
 """The client's touches of nnsight's internals (the worker's are in ``worker/_nnsight.py``).
 
-One today: serializing a block reduces it to source text plus the names it
-reads (``nnsight.intervention.serialization.reduce_block``), and nnsight redoes
-that for every invoke: it unparses the block's AST and parses the result again
-to find the names, although the invokes of a loop share one AST node (nnsight's
-tracer caches it per call site) and so one source. :func:`reduce_once` installs
-memoized versions, keyed by the node and by the source text: the same results,
-computed once per ``with`` block instead of once per request.
+Serializing a block reduces it to source text plus the names it reads
+(``nnsight.intervention.serialization.reduce_block``), then pickles that, and
+nnsight does both for every invoke, although the invokes of a loop share one AST
+node (nnsight's tracer caches it per call site) and so one source, and mostly
+the same captured values. :func:`reduce_once` installs two memos:
+
+- the reduction, keyed by the node and by the source text: the same results,
+  computed once per ``with`` block instead of once per request;
+- the pickle, within one :func:`one_pickle_per_block` (a trace's attach): an
+  invoke whose block has the same source and captures the very same objects as
+  an earlier invoke's gets that invoke's bytes, which are the bytes its own
+  pickling would give. Only values whose pickle depends on nothing but the
+  value are trusted to that (numbers, strings, plain tensors, nnsight's envoys
+  and tracers); any other captured value means a pickle of its own. One
+  steering vector on a GPU is then copied to the host once per trace, not once
+  per request.
 
 Installed for the process on first use and never removed (a swap per trace
-would race between threads); both memos are bounded.
+would race between threads); the memos are bounded.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
+import contextvars
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import nnsight.intervention.serialization as serialization
+import nnsight.modeling.vllm.vllm as nnsight_vllm
+import torch
+from nnsight.intervention.interleaver import Mediator
+from nnsight.tracing.tracer import Tracer
 
 #: ``(module, attribute)`` of every private nnsight name used here, checked by
 #: ``tests/test_nnsight_seams.py``.
@@ -27,6 +43,8 @@ TOUCHES: tuple[tuple[str, str], ...] = (
     ("nnsight.intervention.serialization", "code_reduce"),
     ("nnsight.intervention.serialization", "_referenced_names"),
     ("nnsight.intervention.serialization", "_function_referenced_names"),
+    ("nnsight.modeling.vllm.vllm", "dumps"),
+    ("nnsight.intervention.interleaver", "Mediator.__getstate__"),
 )
 
 _MEMO_SIZE = 4096
@@ -65,17 +83,79 @@ def _reduce_block(node: Any, globals: dict, locals: dict) -> tuple:
     return serialization.code_reduce(kept[1], globals, locals)
 
 
+#: The pickles made so far in the current :func:`one_pickle_per_block` (None: outside one).
+_PICKLES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("vllm_nnsight_pickles", default=None)
+_PLAIN = (int, float, complex, bool, str, bytes, type(None))
+
+
+@contextlib.contextmanager
+def one_pickle_per_block() -> Iterator[None]:
+    """Within this, invokes that carry the same block share one pickle (module docstring).
+
+    Meant for the span of one trace's attach, where no user code runs between
+    two invokes' pickles, so a captured object cannot change in between.
+    """
+    token = _PICKLES.set({})
+    try:
+        yield
+    finally:
+        _PICKLES.reset(token)
+
+
+def _pure(value: Any) -> bool:
+    """Whether ``value``'s pickle is a function of the value alone."""
+    kind = type(value)
+    return (
+        kind in _PLAIN
+        or kind is torch.Tensor
+        or "_persistent_id" in getattr(value, "__dict__", {})  # pickled as a reference
+        or isinstance(value, Tracer)
+    )
+
+
+def _pickle_key(mediator: Any) -> tuple | None:
+    """What identifies a block's pickle: its source, flags and captured objects."""
+    state = mediator.__getstate__()
+    source, glbls, lcls = state["reduced"]
+    scopes = (glbls or {}, lcls or {})
+    if not all(_pure(value) for scope in scopes for value in scope.values()):
+        return None
+    captured = tuple(tuple((name, id(value)) for name, value in scope.items()) for scope in scopes)
+    return source, state["copy"], frozenset(state["presaved"]), captured
+
+
+def _dumps_memo(original: Any) -> Any:
+    @functools.wraps(original)
+    def dumps(obj: Any, *args: Any, **kwargs: Any) -> bytes:
+        pickles = _PICKLES.get()
+        if pickles is None or args or kwargs or type(obj) is not Mediator:
+            return original(obj, *args, **kwargs)
+        key = _pickle_key(obj)
+        if key is None:
+            return original(obj)
+        kept = pickles.get(key)
+        if kept is None:
+            # The block is held with its bytes, so no id in the key is reused
+            # while the memo lives.
+            kept = pickles[key] = (original(obj), obj.__getstate__()["reduced"])
+        return kept[0]
+
+    return dumps
+
+
 #: nnsight's own functions, as they were before :func:`reduce_once` (for tests).
 ORIGINALS: dict[str, Any] = {}
 
 
 def reduce_once() -> None:
-    """Install the memoized reductions in this process (idempotent)."""
+    """Install the memoized reductions and pickles in this process (idempotent)."""
     if getattr(serialization, _INSTALLED, False):
         return
     for name in ("reduce_block", "_referenced_names", "_function_referenced_names"):
         ORIGINALS[name] = getattr(serialization, name)
+    ORIGINALS["dumps"] = nnsight_vllm.dumps
     serialization._referenced_names = _names_memo(serialization._referenced_names)
     serialization._function_referenced_names = _names_memo(serialization._function_referenced_names)
     serialization.reduce_block = _reduce_block
+    nnsight_vllm.dumps = _dumps_memo(nnsight_vllm.dumps)
     setattr(serialization, _INSTALLED, True)

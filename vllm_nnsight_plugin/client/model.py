@@ -39,7 +39,7 @@ from ..versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT, check_nnsight
 from ..wire.envelope import EXTRA_ARGS_KEY, seal
 from ..wire.references import envoys_by_reference
 from ..wire.trust import VOUCHED_KEY, Vouched, operator_key
-from ._nnsight import reduce_once
+from ._nnsight import one_pickle_per_block, reduce_once
 
 #: The key to sign blocks with while requests for a server are being built (a
 #: context variable: traces may be built on several threads or tasks at once).
@@ -69,15 +69,22 @@ def _seal_params(params: list, count: int, server_key: str | None = None) -> Non
     For an engine in this process the envelope is vouched for (``wire/trust.py``);
     for a server, signed with the operator's ``server_key``.
     """
+    sealed: dict[int, tuple[bytes, str, Vouched]] = {}  # unsigned: one envelope per block
     for param in params[:count]:
         extra = param.extra_args
         block = extra.pop("nnsight_mediator")
-        envelope = seal(
-            block, nnsight_version=SUPPORTED_NNSIGHT, plugin_version=PLUGIN_VERSION, key=server_key
-        )
-        extra[EXTRA_ARGS_KEY] = envelope
-        if server_key is None:
-            extra[VOUCHED_KEY] = Vouched(envelope)
+        if server_key is not None:  # a signed envelope is good once: each its own nonce
+            extra[EXTRA_ARGS_KEY] = seal(
+                block, nnsight_version=SUPPORTED_NNSIGHT, plugin_version=PLUGIN_VERSION, key=server_key
+            )
+            continue
+        # Invokes that share a block's bytes (``one_pickle_per_block``) share its
+        # envelope, and the front end and worker then check it once.
+        kept = sealed.get(id(block))
+        if kept is None or kept[0] is not block:
+            envelope = seal(block, nnsight_version=SUPPORTED_NNSIGHT, plugin_version=PLUGIN_VERSION)
+            kept = sealed[id(block)] = (block, envelope, Vouched(envelope))
+        extra[EXTRA_ARGS_KEY], extra[VOUCHED_KEY] = kept[1], kept[2]
 
 
 class VLLM(_NNsightVLLM):
@@ -157,7 +164,7 @@ class VLLM(_NNsightVLLM):
 
     def _attach_mediators(self, params: list, **kwargs: Any) -> list:
         reduce_once()  # one reduction per with-block, not per invoke (``_nnsight.py``)
-        with envoys_by_reference(self):
+        with envoys_by_reference(self), one_pickle_per_block():
             attached = super()._attach_mediators(params, **kwargs)
         _seal_params(params, len(attached), _SERVER_KEY.get())
         return attached

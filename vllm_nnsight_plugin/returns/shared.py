@@ -9,10 +9,17 @@ end maps it. Space is reserved before anything is written (a full ``/dev/shm``
 makes the pool travel pickled, as before), the front end removes each file as it
 maps it, and the worker removes any it wrote that nobody opened within two
 minutes.
+
+Both ends copy to and from a GPU through pinned buffers (``staging.py``).
+
+Mapping with ``MAP_POPULATE`` was measured and is slower: the kernel maps a
+fresh file's pages one thread at a time, where the copies fault them in from
+several.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import secrets
 import socket
@@ -57,13 +64,24 @@ def min_bytes() -> int:
 
 def share(flat: Any) -> SharedFlat | None:
     """Copy ``flat`` into a new shared-memory file; None when it stays as it is."""
-    import torch
-
     threshold = min_bytes()
     size = flat.numel() * flat.element_size()
     if threshold <= 0 or size < threshold or not os.path.isdir(DIRECTORY):
         return None
     _sweep()
+    path = _write(flat, size)
+    if path is None:
+        return None
+    _written.append((time.monotonic(), path))
+    return SharedFlat(path, flat.dtype, flat.numel(), str(flat.device), _host())
+
+
+def _write(flat: Any, size: int) -> str | None:
+    """A new file holding ``flat``; None when no room could be reserved for it."""
+    import torch
+
+    from .staging import to_host
+
     path = os.path.join(DIRECTORY, PREFIX + secrets.token_hex(12))
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -71,20 +89,23 @@ def share(flat: Any) -> SharedFlat | None:
         return None
     try:
         os.posix_fallocate(fd, 0, size)  # ENOSPC here, not a fault while writing
+        mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
     except OSError:
         os.close(fd)
         os.unlink(path)
         return None
-    os.close(fd)
+    target = None
     try:
-        mapped = torch.from_file(path, shared=True, size=flat.numel(), dtype=flat.dtype)
-        mapped.copy_(flat.reshape(-1))
-        del mapped
-    except Exception:
+        target = torch.frombuffer(mapping, dtype=flat.dtype, count=flat.numel())
+        to_host(flat.reshape(-1), target)
+    except BaseException:
         os.unlink(path)
         raise
-    _written.append((time.monotonic(), path))
-    return SharedFlat(path, flat.dtype, flat.numel(), str(flat.device), _host())
+    finally:
+        del target  # before the mapping closes
+        mapping.close()
+        os.close(fd)
+    return path
 
 
 def opened(shared: SharedFlat) -> Any:
@@ -97,8 +118,19 @@ def opened(shared: SharedFlat) -> Any:
             f"({shared.host}); set {MIN_BYTES_ENV}=0 on the engine so they travel pickled."
         )
     try:
-        return torch.from_file(shared.path, shared=False, size=shared.numel, dtype=shared.dtype)
+        fd = os.open(shared.path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise RuntimeError(
+            "these saves were removed from shared memory before they were read (the "
+            f"engine removes them after {UNREAD_S:.0f} s)."
+        ) from None
+    try:
+        size = shared.numel * torch.empty((), dtype=shared.dtype).element_size()
+        # Private and writable (never written): a tensor over a read-only buffer warns.
+        mapping = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE)
+        return torch.frombuffer(mapping, dtype=shared.dtype, count=shared.numel)  # holds the mapping
     finally:
+        os.close(fd)
         discard(shared)
 
 

@@ -29,8 +29,13 @@ from __future__ import annotations
 
 import math
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+#: The front end copies a shared pool back to its GPU a window at a time: one
+#: transfer serves the requests side by side in it (each then copied into its own
+#: storage on the device), and the window bounds the extra device memory.
+WINDOW_BYTES = 256 << 20
 
 #: Shortest list worth stacking: below this the record costs more than it saves.
 MIN_ELEMENTS = 2
@@ -186,6 +191,8 @@ class Pool:
     flats: list  # tensors, or ``shared.SharedFlat`` for the large ones (``share``)
     #: index -> (which flat, offset, shape)
     places: dict[int, tuple[int, int, tuple[int, ...]]]
+    #: per mapped flat, the part of it last copied to its device: (low, high, tensor)
+    windows: dict[int, tuple[int, int, Any]] = field(default_factory=dict, repr=False)
 
     def share(self) -> None:
         """Leave each large flat tensor in shared memory (the worker, before sending)."""
@@ -204,11 +211,21 @@ class Pool:
 
     def _owned(self, number: int, low: int, high: int) -> Any:
         """A copy of ``flats[number][low:high]`` of its own, where the flat was saved."""
+        from .staging import to_device
+
         flat = self._flat(number)
-        if isinstance(flat, _Mapped):
-            part = flat.tensor[low:high]
-            return part.clone() if flat.device == "cpu" else part.to(flat.device)
-        return flat[low:high].clone()
+        if not isinstance(flat, _Mapped):
+            return flat[low:high].clone()
+        if flat.device == "cpu":
+            return flat.tensor[low:high].clone()
+        window = self.windows.get(number)
+        if window is None or not window[0] <= low <= high <= window[1]:
+            if window is not None and low < window[0]:  # asked out of order: just this part
+                return to_device(flat.tensor[low:high], flat.device)
+            top = min(flat.tensor.numel(), low + max(high - low, WINDOW_BYTES // flat.tensor.element_size()))
+            window = self.windows[number] = (low, top, to_device(flat.tensor[low:top], flat.device))
+        start, _, data = window
+        return data[low - start : high - start].clone()
 
     def close(self) -> None:
         """Remove any shared-memory file no request read (the front end, once merged)."""

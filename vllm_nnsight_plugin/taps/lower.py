@@ -25,6 +25,7 @@ after ``tracer.all()``, never).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,9 +51,12 @@ def lower(
     tracer_type: type,
     tables: Any,
     dtype: torch.dtype,
-    prompt_len: int,
 ) -> LoweredBlock | None:
-    """The lowered form of a block, or None when it must run as Python."""
+    """The lowered form of a block, or None when it must run as Python.
+
+    It depends on the block and the engine only, never on the request, so one
+    result serves every request that carries the same block (see :func:`fits`).
+    """
     form = block_form(source) if source else None
     if form is None or (form.tracer is not None and not isinstance(scope.get(form.tracer), tracer_type)):
         return None
@@ -65,13 +69,25 @@ def lower(
         return None
     lowered = Lowered(site, start, stop, form.result)
     if form.code:
-        if type(form.select) is int and not -prompt_len <= form.select < prompt_len:
-            return None  # Python raises on the first step: let it
         lowered.code, lowered.name = form.code, form.kept
         lowered.select, lowered.single = form.select, form.single
         return LoweredBlock(path, lowered, None)
     vector = _vector(form, scope, tables.hidden, dtype, tables.device)
     return None if vector is None else LoweredBlock(path, lowered, vector)
+
+
+def fits(block: LoweredBlock, prompt_len: int) -> bool:
+    """Whether a request whose prompt has ``prompt_len`` rows can run ``block``
+    lowered: a read on the first step must index a row of that prompt (out of
+    range, Python raises on that step, and so it must run as Python)."""
+    select = block.lowered.select
+    return not (block.lowered.single and type(select) is int and not -prompt_len <= select < prompt_len)
+
+
+def for_request(block: LoweredBlock) -> LoweredBlock:
+    """A fresh copy of ``block`` for one more request (its entry, region and row
+    counts are the request's own; the vector, never written, is shared)."""
+    return dataclasses.replace(block, lowered=dataclasses.replace(block.lowered, irregular={}))
 
 
 def _vector(form: Form, scope: dict[str, Any], width: int, dtype: torch.dtype, device: Any) -> Any:

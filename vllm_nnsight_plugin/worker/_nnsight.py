@@ -57,6 +57,7 @@ __all__ = [
     "persistent_objects",
     "provide_logits",
     "provide_samples",
+    "reads_are_copies",
     "still_running",
 ]
 
@@ -104,6 +105,7 @@ INSTANCE_TOUCHES: dict[str, tuple[str, ...]] = {
     "Mediator": ("pending", "worker", "exception", "batch_group", "caches", "presaved", "lcls", "glbls"),
     "Request": ("id", "mediator", "copies", "harvested", "error"),
     "Requests": ("requests", "templates"),
+    "VLLMBatcher": ("clone_reads",),
 }
 
 
@@ -119,6 +121,13 @@ def build_model(module: Any, tokenizer: Any, batcher: Any) -> Any:
     model.interleaver.batcher = batcher
     model.interleaver.defer_exceptions = True
     return model
+
+
+def reads_are_copies(model: Any) -> bool:
+    """Whether blocks on this engine are served copies of what they read
+    (``NNSIGHT_VLLM_CLONE_READS``, fixed when the batcher is built): an in-place
+    edit then changes the copy only, and the model never sees it."""
+    return bool(model.interleaver.batcher.clone_reads)
 
 
 def new_requests() -> Requests:

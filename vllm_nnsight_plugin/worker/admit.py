@@ -7,6 +7,8 @@ error, reported on its output; it never reaches ``execute_model``'s caller.
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Callable
 from typing import Any
 
 from ..versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT
@@ -51,34 +53,72 @@ class RequestIndex:
         return len(self._spellings)
 
 
-def admit(
-    requests: Any, index: RequestIndex, data: Any, persistent: dict, limits: Limits, model: Any
-) -> None:
-    """Take the block off one new request (``NewRequestData``) into ``requests``.
+#: Envelopes opened lately, by (envelope, signature, payload limit): the invokes
+#: of a trace's loop share one envelope, checked and decoded once. Only those
+#: with no expiry (the offline client's) and of at most ``_MEMO_CHARS``.
+_opened: dict[tuple[str, str, int], tuple[bytes, bytes]] = {}
+_MEMO_SIZE, _MEMO_CHARS = 64, 256 << 10
 
-    The block's mediator is marked with whether it may ask for a module location
-    (``needs_forward``, see ``reach.py``): on a compiled engine only those blocks
-    take a step off its compiled, graphed path.
+
+def opened(value: Any, signature: Any, limits: Limits) -> tuple[bytes, bytes]:
+    """A request's block bytes and their digest, once its envelope is checked
+    (the local signature, then ``open_envelope``); raises what they raise."""
+    key = None
+    if isinstance(value, str) and isinstance(signature, str) and len(value) <= _MEMO_CHARS:
+        key = (value, signature, limits.max_payload_bytes)
+        found = _opened.get(key)
+        if found is not None:
+            return found  # the same checks passed on these very strings
+    check_local(value, signature)
+    envelope = open_envelope(
+        value, nnsight_version=SUPPORTED_NNSIGHT, plugin_version=PLUGIN_VERSION, limits=limits
+    )
+    block = envelope.block_bytes()
+    found = block, hashlib.blake2b(block, digest_size=32).digest()
+    if key is not None and envelope.expires is None:
+        _opened[key] = found
+        while len(_opened) > _MEMO_SIZE:
+            _opened.pop(next(iter(_opened)))
+    return found
+
+
+def admit(
+    requests: Any,
+    index: RequestIndex,
+    data: Any,
+    persistent: dict,
+    limits: Limits,
+    model: Any,
+    lower_known: Callable[[Any, bytes], bool] | None = None,
+) -> bytes | None:
+    """Take the block off one new request (``NewRequestData``) into ``requests``;
+    return the digest of its bytes (None when it was refused).
+
+    ``lower_known(request, digest)`` may put the request on the tap tables from
+    a block of the same bytes lowered before; then its block is never loaded.
+    Otherwise the block's mediator is marked with whether it may ask for a module
+    location (``needs_forward``, see ``reach.py``): on a compiled engine only
+    those blocks take a step off its compiled, graphed path.
     """
     params = data.sampling_params
     request = requests.requests[data.req_id] = nns.Request(data.req_id)
     index.add(request)
     try:
-        check_local(params.extra_args[EXTRA_ARGS_KEY], params.extra_args.get(LOCAL_SIGNATURE_KEY))
-        envelope = open_envelope(
-            params.extra_args[EXTRA_ARGS_KEY],
-            nnsight_version=SUPPORTED_NNSIGHT,
-            plugin_version=PLUGIN_VERSION,
-            limits=limits,
+        block, digest = opened(
+            params.extra_args[EXTRA_ARGS_KEY], params.extra_args.get(LOCAL_SIGNATURE_KEY), limits
         )
-        mediator = nns.load_block(envelope.block_bytes(), persistent)
+        if lower_known is not None and lower_known(request, digest):
+            return digest
+        mediator = nns.load_block(block, persistent)
         mediator.needs_forward = needs_forward(
             nns.block_source(mediator), nns.block_scope(mediator), model, nns.InterleavingTracer
         )
         request.mediator = mediator
+        return digest
     except (EnvelopeError, UntrustedBlockError) as error:
         request.error = nns.capture_exception(error)
     except Exception as error:  # a payload nnsight cannot load
         request.error = nns.capture_exception(
             EnvelopeError(f"the block could not be loaded on the engine: {error!r}")
         )
+    return None

@@ -9,6 +9,7 @@ path would have built it.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 from .. import seams
@@ -19,47 +20,93 @@ from .errors import KeptRowsError
 OUTPUT = object()
 
 
+#: How many distinct lowered blocks an engine remembers (:meth:`Lowering.lower_known`).
+_KNOWN_LIMIT = 256
+
+
 class Lowering:
-    """Per-runner counts of lowered requests, and the two ends of their life."""
+    """Per-runner counts of lowered requests, and the two ends of their life.
+
+    A lowered block's form depends on the block and the engine only, so it is
+    remembered by the digest of the block's bytes: the next request that carries
+    the same bytes (the invokes of one trace's loop share them: see the client's
+    ``one_pickle_per_block``) goes on the tables without its block being loaded.
+    """
 
     def __init__(self, runner: Any) -> None:
         self.runner = runner
         self.count = 0
         self.by_form = {"steer": 0, "keep": 0, "read": 0}
+        self.known: OrderedDict[bytes, Any] = OrderedDict()
+        #: Blocks are served copies of what they read (``NNSIGHT_VLLM_CLONE_READS``):
+        #: an in-place edit is then lost, as nnsight documents, so no steering
+        #: block is lowered (the tables would apply it). Set with the worker's tree.
+        self.reads_are_copies = False
+        self.unloaded = 0  # requests lowered from a known block, never loaded
 
-    def lower(self, request: Any, tables: Any, model: Any, rows: int, most: int) -> bool:
+    def lower(
+        self, request: Any, tables: Any, model: Any, rows: int, most: int, digest: bytes | None = None
+    ) -> bool:
         """Put a request on the tap tables when its block is exactly a form they
         express; ``rows`` is how many token rows its first step has, ``most`` how
-        many it can have (0: unknown)."""
-        from ..taps.lower import lower
+        many it can have (0: unknown); ``digest`` names its block's bytes."""
+        from ..taps.lower import for_request, lower
         from . import _nnsight as nns
 
         mediator = request.mediator
-        if mediator is None or request.copies or request.index != 0 or request.engine_id != request.stem:
+        if mediator is None or not self._may_lower(request):
             return False
-        if seams.speculates(self.runner):
-            return False  # a step's rows are then not the ones a block sees step by step
-        lowering = lower(
+        block = lower(
             nns.block_source(mediator),
             nns.block_scope(mediator),
             model,
             nns.InterleavingTracer,
             tables,
             seams.model_dtype(self.runner),
-            rows,
         )
-        if lowering is None:
+        if block is None:
+            return False
+        if digest is not None:  # kept as built: each request adds its own copy
+            self.known[digest] = block
+            while len(self.known) > _KNOWN_LIMIT:
+                self.known.popitem(last=False)
+        return self._add(request, tables, for_request(block), rows, most)
+
+    def lower_known(self, request: Any, tables: Any, digest: bytes, rows: int, most: int) -> bool:
+        """:meth:`lower` for a block already lowered once, without loading it."""
+        from ..taps.lower import for_request
+
+        block = self.known.get(digest)
+        if block is None or not self._may_lower(request):
+            return False
+        self.known.move_to_end(digest)
+        added = self._add(request, tables, for_request(block), rows, most)
+        self.unloaded += added
+        return added
+
+    def _may_lower(self, request: Any) -> bool:
+        if request.copies or request.index != 0 or request.engine_id != request.stem:
+            return False  # registered copies, or a sequence of an n > 1 request
+        # Speculative decoding: a step's rows are then not the ones a block sees
+        # step by step.
+        return not seams.speculates(self.runner)
+
+    def _add(self, request: Any, tables: Any, block: Any, rows: int, most: int) -> bool:
+        from ..taps.lower import fits
+
+        lowered = block.lowered
+        if not fits(block, rows) or (not lowered.code and self.reads_are_copies):
             return False
         room = 0
-        if lowering.lowered.code:
-            room = rows if lowering.lowered.single else most
+        if lowered.code:
+            room = rows if lowered.single else most
             if room <= 0:
                 return False
-        if not tables.add(request.id, lowering.lowered, lowering.vector, room):
+        if not tables.add(request.id, lowered, block.vector, room):
             return False
         request.mediator = None  # nothing of it runs as Python
         self.count += 1
-        code, single = lowering.lowered.code, lowering.lowered.single
+        code, single = lowered.code, lowered.single
         self.by_form["steer" if not code else "read" if single else "keep"] += 1
         return True
 
@@ -101,7 +148,7 @@ class Lowering:
         return saved
 
     def stats(self) -> dict[str, Any]:
-        return {"lowered": self.count, "lowered_by": dict(self.by_form)}
+        return {"lowered": self.count, "lowered_by": dict(self.by_form), "lowered_unloaded": self.unloaded}
 
 
 def _overflow(lowered: Any, request_id: str) -> Exception:

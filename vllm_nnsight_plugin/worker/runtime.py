@@ -91,6 +91,7 @@ class WorkerRuntime:
         self.requests = nns.new_requests()
         self.index = RequestIndex()
         self.persistent = {**nns.persistent_objects(self.model), **envoy_references(self.model)}
+        self.lowering.reads_are_copies = nns.reads_are_copies(self.model)
         if not self.eager:
             self.kernels = seams.eager_kernels(module, runner.vllm_config)
         module.register_forward_pre_hook(self._on_forward)
@@ -133,22 +134,34 @@ class WorkerRuntime:
         requests = self.requests
         tables = self.tables
         for data in seams.new_requests(scheduler_output):
-            if seams.carries_block(data.sampling_params) and data.req_id not in requests.requests:
+            if not seams.carries_block(data.sampling_params) or data.req_id in requests.requests:
+                continue
+            # A lowered block counts one step per forward; a prompt split by
+            # chunked prefill (the Python path refuses it, with its reason) is
+            # never lowered.
+            if tables is None or not seams.whole_prompt_scheduled(data, scheduler_output):
                 admit(requests, self.index, data, self.persistent, self.limits, self.model)
-                # A lowered block counts one step per forward; a prompt split by
-                # chunked prefill (the Python path refuses it, with its reason)
-                # is never lowered.
-                request = requests.requests.get(data.req_id)
-                if request is None or tables is None:
-                    continue
-                if seams.whole_prompt_scheduled(data, scheduler_output):
-                    rows = seams.scheduled_rows(data, scheduler_output)
-                    limit = getattr(data.sampling_params, "max_tokens", None)
-                    most = rows + int(limit) if limit else 0  # 0: unknown, never kept lowered
-                    try:
-                        self.lowering.lower(request, tables, self.model, rows, most)
-                    except Exception:  # lowering is an optimisation: the block runs as Python
-                        logger.exception("vllm-nnsight: could not lower request %s", data.req_id)
+                continue
+            rows = seams.scheduled_rows(data, scheduler_output)
+            limit = getattr(data.sampling_params, "max_tokens", None)
+            most = rows + int(limit) if limit else 0  # 0: unknown, never kept lowered
+
+            def known(request: Any, digest: bytes, rows: int = rows, most: int = most) -> bool:
+                return self._lower(self.lowering.lower_known, request, tables, digest, rows, most)
+
+            digest = admit(requests, self.index, data, self.persistent, self.limits, self.model, known)
+            request = requests.requests.get(data.req_id)
+            if request is not None and request.mediator is not None:
+                self._lower(self.lowering.lower, request, tables, self.model, rows, most, digest)
+
+    @staticmethod
+    def _lower(how: Any, request: Any, *args: Any) -> bool:
+        """Lowering is an optimisation: where it fails, the block runs as Python."""
+        try:
+            return how(request, *args)
+        except Exception:
+            logger.exception("vllm-nnsight: could not lower request %s", request.id)
+            return False
 
     @property
     def tables(self) -> Any:
