@@ -282,7 +282,7 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
     model = VLLM(llm)
     vector = unit_vector(path)
     steer(model, few[:4], 8, vector)  # warm-up: builds the worker's tree
-    for _ in range(max(1, repeats // 2)):
+    for _ in range(repeats):  # a median, as for plain
         batch = unique(CONCURRENT)
         wall = timed(lambda batch=batch: steer(model, batch, TOKENS, vector))
         result(engine=name, job="steer", tok_s=round(CONCURRENT * TOKENS / wall, 1))
@@ -331,7 +331,7 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
             of=len(lowered_rows),
         )
     prompt_read(model, few[:4], 8)
-    for _ in range(max(1, repeats // 2)):
+    for _ in range(repeats):  # a median, as for plain
         batch = unique(CONCURRENT)
         wall = timed(lambda batch=batch: prompt_read(model, batch, TOKENS))
         result(engine=name, job="prompt_read", tok_s=round(CONCURRENT * TOKENS / wall, 1))
