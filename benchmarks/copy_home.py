@@ -34,7 +34,7 @@ def main() -> None:
     front_threads = torch.get_num_threads()
 
     from vllm_nnsight_plugin.returns import shared
-    from vllm_nnsight_plugin.returns.stacked import Pool
+    from vllm_nnsight_plugin.returns.pool import Pool
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)

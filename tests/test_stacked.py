@@ -9,7 +9,8 @@ import torch
 from nnsight.modeling.vllm.collect import dumps_compact
 
 from vllm_nnsight_plugin.returns.outputs import merge_replies
-from vllm_nnsight_plugin.returns.stacked import Pool, Pooler, Stacked, stack_entry, stackable
+from vllm_nnsight_plugin.returns.pool import Pool, Pooler
+from vllm_nnsight_plugin.returns.stacked import Stacked, stack_entry, stackable
 from vllm_nnsight_plugin.wire.envelope import Limits
 from vllm_nnsight_plugin.worker.collect import pack, pool_part
 

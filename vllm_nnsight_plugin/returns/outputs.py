@@ -35,14 +35,14 @@ def empty_entry() -> dict:
 def merge_replies(replies: list) -> dict:
     """Per request id, what the workers returned, over all ranks (each rank
     answers a list of pickled parts: one ``{request_id: entry}`` per request, and
-    the collect's :class:`~.stacked.Pool` of saved tensors, if any).
+    the collect's :class:`~.pool.Pool` of saved tensors, if any).
 
     Under tensor parallelism every rank ran the block and holds the same gathered
     values; the first rank's copy is kept.
     """
     import pickle
 
-    from .stacked import Pool
+    from .pool import Pool
 
     loaded = [pickle.loads(part) for reply in replies or () if reply is not None for part in reply]
     pools = {part.id: part for part in loaded if isinstance(part, Pool)}
@@ -54,7 +54,7 @@ def merge_replies(replies: list) -> dict:
 
 
 def _merge(loaded: list, pools: dict) -> dict:
-    from .stacked import Pool, Resolver
+    from .pool import Pool, Resolver
 
     merged: dict[str, dict] = {}
     for part in loaded:

@@ -19,23 +19,16 @@ pickled list keeps such sharing; a stacked one could not). Anything else, a
 ragged list or one holding Python objects, travels as it always did.
 
 The tensors of all requests collected together then travel in one flat tensor
-per dtype and device (:class:`Pool`); the front end gives each request a copy
-of its own part, so no request's saves share storage with another's.
+per dtype and device (``pool.py``).
 
 Nothing here imports nnsight: the front end of a server runs this too.
 """
 
 from __future__ import annotations
 
-import math
 import pickle
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
-
-#: The front end copies a shared pool back to its GPU a window at a time: one
-#: transfer serves the requests side by side in it (each then copied into its own
-#: storage on the device), and the window bounds the extra device memory.
-WINDOW_BYTES = 256 << 20
 
 #: Shortest list worth stacking: below this the record costs more than it saves.
 MIN_ELEMENTS = 2
@@ -126,7 +119,7 @@ def shared_tensors(entry: dict) -> set[int] | None:
     another saved tensor: the general path can keep those as one object or one
     storage, and a stacked or pooled copy would not. None if the entry cannot be
     read that way (it then travels as it is)."""
-    if not any(poolable(value) or stackable(value) for value in _values(entry)):
+    if not any(poolable(value) or stackable(value) for value in entry_values(entry)):
         return set()  # nothing would be stacked or pooled: no need to look
     counter = _TensorCounter()
     try:
@@ -169,111 +162,6 @@ def stack_entry(entry: dict, shared: set[int] = frozenset()) -> dict:
     return stacked
 
 
-# ---------------------------------------------------------------------- pools
-@dataclass(frozen=True)
-class Pooled:
-    """A saved tensor that travelled inside its collect's :class:`Pool`."""
-
-    pool: str
-    index: int
-
-
-@dataclass
-class Pool:
-    """Every poolable tensor saved by the requests of one collect, as one flat
-    tensor per dtype and device, and where each saved tensor sits in it.
-
-    A sweep of a thousand requests, each keeping one row, would otherwise send a
-    thousand tensors (a device copy, a pickle record and a copy back each).
-    """
-
-    id: str
-    flats: list  # tensors, or ``shared.SharedFlat`` for the large ones (``share``)
-    #: index -> (which flat, offset, shape)
-    places: dict[int, tuple[int, int, tuple[int, ...]]]
-    #: per mapped flat, the part of it last copied to its device: (low, high, tensor)
-    windows: dict[int, tuple[int, int, Any]] = field(default_factory=dict, repr=False)
-
-    def share(self) -> None:
-        """Leave each large flat tensor in shared memory (the worker, before sending)."""
-        from .shared import share
-
-        self.flats = [share(flat) or flat for flat in self.flats]
-
-    def _flat(self, number: int) -> Any:
-        from .shared import SharedFlat, opened
-
-        flat = self.flats[number]
-        if isinstance(flat, SharedFlat):
-            mapped = opened(flat)
-            self.flats[number] = flat = _Mapped(mapped, flat.device)
-        return flat
-
-    def _owned(self, number: int, low: int, high: int) -> Any:
-        """A copy of ``flats[number][low:high]`` of its own, where the flat was saved."""
-        from .staging import to_device
-
-        flat = self._flat(number)
-        if not isinstance(flat, _Mapped):
-            return flat[low:high].clone()
-        if flat.device == "cpu":
-            return flat.tensor[low:high].clone()
-        window = self.windows.get(number)
-        if window is None or not window[0] <= low <= high <= window[1]:
-            if window is not None and low < window[0]:  # asked out of order: just this part
-                return to_device(flat.tensor[low:high], flat.device)
-            top = min(flat.tensor.numel(), low + max(high - low, WINDOW_BYTES // flat.tensor.element_size()))
-            window = self.windows[number] = (low, top, to_device(flat.tensor[low:top], flat.device))
-        start, _, data = window
-        return data[low - start : high - start].clone()
-
-    def close(self) -> None:
-        """Remove any shared-memory file no request read (the front end, once merged)."""
-        from .shared import SharedFlat, discard
-
-        for flat in self.flats:
-            if isinstance(flat, SharedFlat):
-                discard(flat)
-
-    def _span(self, index: int) -> tuple[int, int, int, tuple[int, ...]]:
-        flat, offset, shape = self.places[index]
-        return flat, offset, offset + math.prod(shape), shape
-
-    def own_views(self, indices: set[int]) -> dict[int, Any]:
-        """The tensors at ``indices`` (one request's), as views of a copy of just
-        their part of each flat tensor.
-
-        One request's tensors sit side by side in each flat tensor, so this is one
-        copy per dtype and device. A view of the shared flat tensor would keep
-        every other request's tensors alive with it, and ``torch.save`` of it (a
-        server's response) would write all of them.
-        """
-        spans = {index: self._span(index) for index in indices}
-        bounds: dict[int, tuple[int, int]] = {}
-        covered: dict[int, int] = {}
-        for flat, start, end, _ in spans.values():
-            low, high = bounds.get(flat, (start, end))
-            bounds[flat] = (min(low, start), max(high, end))
-            covered[flat] = covered.get(flat, 0) + end - start
-        if any(high - low != covered[flat] for flat, (low, high) in bounds.items()):
-            # Not side by side (never made so by ``Pooler``): copy one by one
-            # rather than hand out anyone else's values.
-            return {i: self._owned(f, a, b).view(shape) for i, (f, a, b, shape) in spans.items()}
-        owned = {flat: self._owned(flat, low, high) for flat, (low, high) in bounds.items()}
-        return {
-            index: owned[flat][start - bounds[flat][0] : end - bounds[flat][0]].view(shape)
-            for index, (flat, start, end, shape) in spans.items()
-        }
-
-
-@dataclass(frozen=True)
-class _Mapped:
-    """A flat tensor mapped from shared memory, and the device it was saved on."""
-
-    tensor: Any
-    device: str
-
-
 def poolable(value: Any) -> bool:
     """A plain contiguous tensor, which a view of a flat copy rebuilds exactly."""
     import torch
@@ -289,109 +177,7 @@ def poolable(value: Any) -> bool:
     )
 
 
-class Pooler:
-    """The worker's side of a :class:`Pool`: swaps saved tensors for references,
-    request by request, and builds the pool once every request is packed."""
-
-    def __init__(self) -> None:
-        import secrets
-
-        self.id = secrets.token_hex(8)
-        self.tensors: dict[int, Any] = {}
-
-    def swap(self, entry: dict, shared: set[int] = frozenset()) -> tuple[dict, dict[int, Any]]:
-        """``entry`` with its poolable tensors replaced by :class:`Pooled`, and the
-        tensors it would add (index -> tensor), not yet added (see :meth:`add`).
-        A tensor in ``shared`` (see :func:`shared_tensors`) stays as it is."""
-        taken: dict[int, Any] = {}
-        by_tensor: dict[int, Pooled] = {}
-        by_dict: dict[int, dict] = {}
-
-        def ref(tensor: Any) -> Pooled:
-            found = by_tensor.get(id(tensor))
-            if found is None:
-                index = len(self.tensors) + len(taken)
-                found = by_tensor[id(tensor)] = Pooled(self.id, index)
-                taken[index] = tensor
-            return found
-
-        def swap_value(value: Any) -> Any:
-            if poolable(value) and id(value) not in shared:
-                return ref(value)
-            if isinstance(value, Stacked) and poolable(value.data):
-                return Stacked(ref(value.data), value.lengths)
-            return value
-
-        def swap_saves(saves: dict) -> dict:
-            done = by_dict.get(id(saves))
-            if done is None:
-                done = by_dict[id(saves)] = {name: swap_value(value) for name, value in saves.items()}
-            return done
-
-        swapped = dict(entry)
-        swapped["saves"] = swap_saves(entry.get("saves") or {})
-        swapped["sequences"] = {
-            index: {**sequence, "saves": swap_saves(sequence.get("saves") or {})}
-            for index, sequence in (entry.get("sequences") or {}).items()
-        }
-        return swapped, taken
-
-    def add(self, taken: dict[int, Any]) -> None:
-        self.tensors.update(taken)
-
-    def pool(self) -> Pool | None:
-        import torch
-
-        if not self.tensors:
-            return None
-        groups: dict[tuple, list[int]] = {}
-        for index, tensor in self.tensors.items():
-            groups.setdefault((tensor.dtype, tensor.device), []).append(index)
-        flats, places = [], {}
-        for number, indices in enumerate(groups.values()):
-            offset = 0
-            for index in indices:
-                tensor = self.tensors[index]
-                places[index] = (number, offset, tuple(tensor.shape))
-                offset += tensor.numel()
-            flats.append(torch.cat([self.tensors[index].reshape(-1) for index in indices]))
-        return Pool(self.id, flats, places)
-
-
-class Resolver:
-    """The front end's side, for one request: :class:`Pooled` and :class:`Stacked`
-    values back to tensors and lists, once each, so a value that came home under
-    two keys (flat and sequence 0, or two names) stays one object. The request's
-    pooled tensors become views of a copy of its own part of the pool."""
-
-    def __init__(self, pools: dict[str, Pool], entry: dict) -> None:
-        wanted: dict[str, set[int]] = {}
-        for value in _values(entry):
-            ref = value.data if isinstance(value, Stacked) else value
-            if isinstance(ref, Pooled):
-                wanted.setdefault(ref.pool, set()).add(ref.index)
-        self.tensors = {
-            (pool, index): tensor
-            for pool, indices in wanted.items()
-            for index, tensor in pools[pool].own_views(indices).items()
-        }
-        self._done: dict[int, tuple[Any, Any]] = {}
-
-    def __call__(self, value: Any) -> Any:
-        if not isinstance(value, Pooled | Stacked):
-            return value
-        kept = self._done.get(id(value))
-        if kept is None:
-            if isinstance(value, Pooled):
-                resolved = self.tensors[(value.pool, value.index)]
-            else:
-                data = self(value.data)
-                resolved = Stacked(data, value.lengths).unstack()
-            kept = self._done[id(value)] = (value, resolved)
-        return kept[1]
-
-
-def _values(entry: dict) -> list:
+def entry_values(entry: dict) -> list:
     """Every saved value of one reply entry, flat and per sequence."""
     found = list((entry.get("saves") or {}).values())
     for sequence in (entry.get("sequences") or {}).values():

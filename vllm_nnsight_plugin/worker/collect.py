@@ -15,7 +15,8 @@ import time
 from typing import Any
 
 from ..returns.outputs import empty_entry
-from ..returns.stacked import Pooler, shared_tensors, stack_entry
+from ..returns.pool import Pooler
+from ..returns.stacked import shared_tensors, stack_entry
 from ..wire.envelope import Limits
 from . import _nnsight as nns
 from .admit import RequestIndex

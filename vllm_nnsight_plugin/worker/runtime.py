@@ -337,7 +337,7 @@ class WorkerRuntime:
         """
         if self.requests is None:
             return None
-        from ..returns.stacked import Pooler
+        from ..returns.pool import Pooler
         from .collect import pack, pool_part, synchronize_device, wind_up
 
         finished = pickle.loads(outputs) if outputs else None
