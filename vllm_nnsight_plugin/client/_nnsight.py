@@ -113,15 +113,17 @@ def _pure(value: Any) -> bool:
     )
 
 
-def _pickle_key(mediator: Any) -> tuple | None:
-    """What identifies a block's pickle: its source, flags and captured objects."""
+def _pickle_key(mediator: Any) -> tuple[tuple | None, tuple]:
+    """What identifies a block's pickle (its source, flags and captured objects;
+    None when a captured value's pickle may be more than its value), and the
+    reduced block it was read from."""
     state = mediator.__getstate__()
-    source, glbls, lcls = state["reduced"]
+    source, glbls, lcls = reduced = state["reduced"]
     scopes = (glbls or {}, lcls or {})
     if not all(_pure(value) for scope in scopes for value in scope.values()):
-        return None
+        return None, reduced
     captured = tuple(tuple((name, id(value)) for name, value in scope.items()) for scope in scopes)
-    return source, state["copy"], frozenset(state["presaved"]), captured
+    return (source, state["copy"], frozenset(state["presaved"]), captured), reduced
 
 
 def _dumps_memo(original: Any) -> Any:
@@ -130,14 +132,14 @@ def _dumps_memo(original: Any) -> Any:
         pickles = _PICKLES.get()
         if pickles is None or args or kwargs or type(obj) is not Mediator:
             return original(obj, *args, **kwargs)
-        key = _pickle_key(obj)
+        key, reduced = _pickle_key(obj)
         if key is None:
             return original(obj)
         kept = pickles.get(key)
         if kept is None:
-            # The block is held with its bytes, so no id in the key is reused
-            # while the memo lives.
-            kept = pickles[key] = (original(obj), obj.__getstate__()["reduced"])
+            # The reduced block (its captured objects) is held with its bytes, so
+            # no id in the key is reused while the memo lives.
+            kept = pickles[key] = (original(obj), reduced)
         return kept[0]
 
     return dumps

@@ -125,7 +125,7 @@ def opened(shared: SharedFlat) -> Any:
             f"engine removes them after {UNREAD_S:.0f} s)."
         ) from None
     try:
-        size = shared.numel * torch.empty((), dtype=shared.dtype).element_size()
+        size = shared.numel * shared.dtype.itemsize
         # Private and writable (never written): a tensor over a read-only buffer warns.
         mapping = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE)
         return torch.frombuffer(mapping, dtype=shared.dtype, count=shared.numel)  # holds the mapping
