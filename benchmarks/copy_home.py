@@ -8,7 +8,9 @@ capture job, 1.3 GB) goes through ``Pool.share`` (the worker's copy into a new
 ``/dev/shm`` file) and then each request's part through ``Pool.own_views`` (the
 front end's copy back onto the device), as a collect does. The same two copies
 are also made the plain way (a pageable copy into the mapped file, and one
-``.to(device)`` per request) for comparison. The worker's copies run with torch
+``.to(device)`` per request) for comparison, and the pool is lent on the device
+instead (``returns/lent.py``: ``lend`` in a child process standing for the
+engine's worker, ``own_lent`` here, as the front end). The worker's copies run with torch
 on ``--worker-threads`` threads (default 1, as vLLM runs its engine processes),
 the front end's with torch's default. Prints one JSON line, milliseconds.
 """
@@ -74,8 +76,65 @@ def main() -> None:
         timed("plain_own", lambda: [back[i * per : (i + 1) * per].to(device) for i in range(args.requests)])
     finally:
         os.unlink(path)
+    if device == "cuda":
+        found.update(_lent(args, places, per))
     found["device"] = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print("RESULT " + json.dumps(found), flush=True)
+
+
+def _lender(conn, numel: int, places: dict, threads: int) -> None:
+    """The worker, in a process of its own: lend the flat, time it, report its memory."""
+    import pickle
+
+    import torch
+
+    from vllm_nnsight_plugin.returns.pool import Pool
+
+    torch.set_num_threads(threads)
+    for _ in range(2):
+        flat = torch.randn(numel, device="cuda").to(torch.bfloat16)
+        pool = Pool("bench", [flat], dict(places))
+        del flat
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        pool.share(lend=True)
+        payload = pickle.dumps(pool)
+        took = 1000 * (time.perf_counter() - start)
+        del pool
+        conn.send((took, payload))
+        conn.recv()
+    torch.cuda.ipc_collect()
+    conn.send(torch.cuda.memory_allocated())
+
+
+def _lent(args: argparse.Namespace, places: dict, per: int) -> dict[str, float]:
+    """The same pool lent on the device (``returns/lent.py``): the worker in a
+    child process, as vLLM's engine core is; the front end here."""
+    import multiprocessing
+    import pickle
+
+    import torch
+
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe()
+    child = context.Process(target=_lender, args=(theirs, args.requests * per, places, args.worker_threads))
+    child.start()
+    found: dict[str, float] = {}
+    for run in range(2):
+        took, payload = ours.recv()
+        found[f"lend_{run}"] = round(took, 1)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        pool = pickle.loads(payload)
+        views = [pool.own_views({i}) for i in range(args.requests)]
+        pool.close()
+        torch.cuda.synchronize()
+        found[f"own_lent_{run}"] = round(1000 * (time.perf_counter() - start), 1)
+        del views, pool
+        ours.send("done")
+    found["lender_bytes_after"] = ours.recv()
+    child.join(timeout=60)
+    return found
 
 
 if __name__ == "__main__":

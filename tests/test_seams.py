@@ -211,6 +211,16 @@ def test_the_reads_the_tap_tables_rely_on():
     assert "query_start_loc" in inspect.getsource(GPUModelRunner.__init__)
 
 
+def test_the_reads_lending_saves_on_the_device_relies_on():
+    """``seams.front_end_elsewhere``: vLLM's switch for the engine core's own
+    process, and the tensor-parallel rank."""
+    import vllm.envs as envs
+    from vllm.distributed import parallel_state
+
+    assert isinstance(envs.VLLM_ENABLE_V1_MULTIPROCESSING, bool)
+    assert callable(parallel_state.get_tensor_model_parallel_rank)
+
+
 def test_register_is_cheap_and_idempotent():
     code = (
         "import sys, vllm\n"

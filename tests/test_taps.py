@@ -10,10 +10,11 @@ import torch
 from vllm import SamplingParams
 
 from vllm_nnsight_plugin import VLLM
+from vllm_nnsight_plugin.returns.cached import CachedSteps
 from vllm_nnsight_plugin.taps.forms import block_form
 from vllm_nnsight_plugin.taps.install import Lowered, TapTables, returns_tuple
 from vllm_nnsight_plugin.taps.kept import Regions
-from vllm_nnsight_plugin.taps.ops import KEEP_FIRST, KEEP_SECOND, KEEP_SUM
+from vllm_nnsight_plugin.taps.ops import KEEP_BOTH, KEEP_FIRST, KEEP_SECOND, KEEP_SUM
 from vllm_nnsight_plugin.taps.spec import TapError, parse, resolve
 
 PROMPT = "The capital of France is"
@@ -106,6 +107,35 @@ KEEP_LOOP = "rows = list().save()\nfor _ in tracer.iter[:8]:\n    rows.append({}
 def test_the_keeping_forms_are_recognised(source, code, select):
     form = block_form(source)
     assert form is not None and form.code == code and form.select == select and form.vector is None
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "cache = tracer.cache(modules=[model.model.layers[10]])\n",
+        "cache = tracer.cache([layer])\n",
+        "cache = tracer.cache(modules=[model.model.layers[i]])\nout = tracer.result.save()\n",
+    ],
+)
+def test_a_cache_of_one_tap_is_recognised(source):
+    form = block_form(source)
+    assert form is not None and form.cache and form.code == KEEP_BOTH and form.stop is None
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "cache = tracer.cache()\n",  # every module
+        "cache = tracer.cache(modules=[layer, other])\n",
+        "cache = tracer.cache(modules=[layer], device=None)\n",
+        "cache = tracer.cache(modules=[layer], include_inputs=True)\n",
+        "cache = tracer.cache(modules=(layer,))\n",
+        "cache = tracer.cache(modules=[layer])\nx = 1\n",
+        "layer = tracer.cache(modules=[layer])\n",
+    ],
+)
+def test_other_caches_run_as_python(source):
+    assert block_form(source) is None
 
 
 @pytest.mark.parametrize(
@@ -220,6 +250,28 @@ def test_kept_rows_go_straight_to_each_requests_region_of_the_store():
     assert tables.kept_rows == 2 + 4 + 1 and tables.regions.free_rows() == 31
     tables.fill([], bounds([], []))
     assert tables.idle() and not tables.codes.any() and not tables.dest.any()
+
+
+def test_a_cache_keeps_both_outputs_of_each_row_in_pairs():
+    tables = TapTables(("model.layers.0",), max_tokens=8, hidden=3, entries=4, device="cpu", store_size=32)
+    cache = Lowered(0, 0, None, None, code=KEEP_BOTH, name="cache", cache="model.model.layers.0")
+    assert tables.add("c", cache, room=(3 + 2) * cache.stride)
+    steps = []
+    for req_ids, starts, counts in [(["p", "c"], [0, 1], [1, 3]), (["c", "p"], [0, 1], [1, 1])]:
+        tables.fill(req_ids, bounds(starts, counts))
+        hidden, residual = torch.randn(8, 3), torch.randn(8, 3)
+        torch.ops.vllm_nnsight.keep(hidden, residual, tables.codes, tables.dest, tables.store, 0)
+        steps.append((hidden, residual))
+    (h0, r0), (h1, r1) = steps
+    lowered, forwards = tables.forget("c")
+    assert not tables.overflowed(lowered)
+    kept = tables.saves(lowered)["cache"]
+    tables.release(lowered)
+    assert isinstance(kept, CachedSteps) and kept.path == "model.model.layers.0" and forwards == 2
+    hidden, residual = kept.hidden.unstack(), kept.residual.unstack()
+    assert torch.equal(hidden[0], h0[1:4]) and torch.equal(residual[0], r0[1:4])
+    assert torch.equal(hidden[1], h1[0:1]) and torch.equal(residual[1], r1[0:1])
+    assert tables.regions.free_rows() == 31
 
 
 def test_the_store_hands_out_and_merges_regions():

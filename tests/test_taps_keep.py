@@ -250,3 +250,41 @@ def test_a_request_that_ends_early_keeps_the_steps_it_ran_on_both_paths(smollm2_
     assert len(lowered) == ran
     same_list(lowered, python)
     assert stats(smollm2_llm)["tracked"] == 0
+
+
+def cache_lowered(model, tokens):
+    with model.trace(PROMPT, temperature=0.0, max_tokens=tokens) as tracer:
+        cache = tracer.cache(modules=[model.model.layers[10]])
+        out = tracer.result.save()
+    return cache, out
+
+
+def cache_python(model, tokens):
+    with model.trace(PROMPT, temperature=0.0, max_tokens=tokens) as tracer:
+        cache = tracer.cache(modules=[model.model.layers[10]])
+        out = tracer.result.save()
+        out.outputs  # noqa: B018  (a second statement: runs as Python)
+    return cache, out
+
+
+def test_a_cache_of_a_tap_is_lowered_and_is_the_cache_python_builds(smollm2_llm, smol):
+    before = stats(smollm2_llm)
+    got, got_out = cache_lowered(smol, 4)
+    middle = stats(smollm2_llm)
+    want, want_out = cache_python(smol, 4)
+    after = stats(smollm2_llm)
+    assert middle["lowered_by"]["cache"] - before["lowered_by"]["cache"] == 1
+    assert after["lowered"] == middle["lowered"]
+    assert type(got) is type(want) and got.keys() == want.keys() == ["model.model.layers.10"]
+    steps, expected = got["model.model.layers.10"].output, want["model.model.layers.10"].output
+    assert len(steps) == len(expected) == 4
+    for a, b in zip(steps, expected):
+        assert type(a) is tuple and len(a) == 2
+        for x, y in zip(a, b):
+            assert x.device.type == "cpu" and x.dtype == y.dtype and x.shape == y.shape
+            assert torch.equal(x, y)
+    assert steps[0][0].shape[0] > 1 and steps[1][0].shape[0] == 1  # the prompt, then a row a step
+    assert list(got_out.outputs[0].token_ids) == list(want_out.outputs[0].token_ids)
+    # the client's tree comes back with the view: it navigates as on a local model
+    navigated = got.model.model.layers[10].output
+    assert len(navigated) == 4 and all(a[0] is b[0] for a, b in zip(navigated, steps))

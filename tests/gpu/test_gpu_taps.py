@@ -13,6 +13,8 @@ from vllm import SamplingParams
 
 from tests.gpu.test_gpu import PROMPTS, cosine, start, stats
 from tests.test_taps_keep import (
+    cache_lowered,
+    cache_python,
     first_lowered,
     first_python,
     keep_lowered,
@@ -108,3 +110,20 @@ def test_lowered_capture_matches_python(tapped):
     assert cosine(first[0], want_first[0]) >= 0.999
     assert list(first[1].outputs[0].token_ids) == list(want_first[1].outputs[0].token_ids)
     assert stats(tapped)["tracked"] == 0
+
+
+def test_a_lowered_cache_matches_python(tapped):
+    model = VLLM(tapped)
+    before = stats(tapped)
+    got, got_out = cache_lowered(model, 6)
+    middle = stats(tapped)
+    assert middle["lowered_by"]["cache"] - before["lowered_by"]["cache"] == 1
+    assert middle["uncompiled_steps"] == before["uncompiled_steps"]
+    want, want_out = cache_python(model, 6)
+    steps, expected = got["model.model.layers.10"].output, want["model.model.layers.10"].output
+    assert len(steps) == len(expected) == 6
+    for a, b in zip(steps, expected):
+        for x, y in zip(a, b):
+            assert x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.shape == y.shape
+            assert cosine(x, y) >= 0.999
+    assert got_out.outputs[0].token_ids[0] == want_out.outputs[0].token_ids[0]

@@ -161,3 +161,19 @@ def reduce_once() -> None:
     serialization.reduce_block = _reduce_block
     nnsight_vllm.dumps = _dumps_memo(nnsight_vllm.dumps)
     setattr(serialization, _INSTALLED, True)
+
+
+def reattach_caches(saves: dict, root: Any) -> None:
+    """Give each ``tracer.cache`` view that came home the client's module tree.
+
+    A cache drops its tree when it is pickled (nnsight's ``Cache.__getstate__``),
+    so a view read back from the engine answers by path only. With the tree
+    again it navigates as it does on a local model (``cache.model.layers[10]``).
+    """
+    from nnsight.intervention.cache import CacheView
+
+    for value in saves.values():
+        if isinstance(value, CacheView):
+            cache = object.__getattribute__(value, "_cache")  # CacheView's own state
+            if cache.model is None:
+                cache.model = root

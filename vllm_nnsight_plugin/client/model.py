@@ -39,7 +39,7 @@ from ..versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT, check_nnsight
 from ..wire.envelope import EXTRA_ARGS_KEY, seal
 from ..wire.references import envoys_by_reference
 from ..wire.trust import VOUCHED_KEY, Vouched, operator_key
-from ._nnsight import one_pickle_per_block, reduce_once
+from ._nnsight import one_pickle_per_block, reattach_caches, reduce_once
 
 #: The key to sign blocks with while requests for a server are being built (a
 #: context variable: traces may be built on several threads or tasks at once).
@@ -159,7 +159,12 @@ class VLLM(_NNsightVLLM):
         outputs = self.vllm_entrypoint.generate(
             prompts, sampling_params=params, lora_request=lora_requests, use_tqdm=False
         )
-        self._collect(mediators, outputs)
+        self._collect(mediators, self._with_trees(outputs))
+        return outputs
+
+    def _with_trees(self, outputs: list) -> list:
+        for output in outputs:
+            reattach_caches(getattr(output, "saves", None) or {}, self)
         return outputs
 
     def _attach_mediators(self, params: list, **kwargs: Any) -> list:
@@ -180,7 +185,7 @@ class VLLM(_NNsightVLLM):
             outputs = server.run(prompts, params)
         finally:
             server.close()
-        self._collect(mediators, outputs)
+        self._collect(mediators, self._with_trees(outputs))
         return outputs
 
     def _attach_for_server(self, params: list, key: str | None, **kwargs: Any) -> list:
@@ -346,6 +351,7 @@ class _AsyncBackend(AsyncVLLMBackend):
         from nnsight.intervention.errors import raise_deferred
 
         output.saves = dict(getattr(output, "nnsight_saves", {}))
+        reattach_caches(output.saves, self.model)
         raise_deferred(getattr(output, "nnsight_error", None))
 
     async def _free_worker(self) -> None:

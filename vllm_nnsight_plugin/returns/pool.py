@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .cached import CachedSteps, cache_view
 from .stacked import Stacked, entry_values, poolable
 
 #: The front end copies a shared pool back to its GPU a window at a time: one
@@ -47,19 +48,30 @@ class Pool:
     #: per mapped flat, the part of it last copied to its device: (low, high, tensor)
     windows: dict[int, tuple[int, int, Any]] = field(default_factory=dict, repr=False)
 
-    def share(self) -> None:
-        """Leave each large flat tensor in shared memory (the worker, before sending)."""
-        from .shared import share
+    def share(self, lend: bool = False) -> None:
+        """Leave each large flat tensor where the front end can read it without
+        pickling (the worker, before sending): on its GPU when ``lend`` allows
+        (``lent.py``), else in shared memory (``shared.py``)."""
+        from .lent import lend as lent_flat
+        from .shared import min_bytes, share
 
-        self.flats = [share(flat) or flat for flat in self.flats]
+        def away(flat: Any) -> Any:
+            large = 0 < min_bytes() <= flat.numel() * flat.element_size()
+            return (lend and large and lent_flat(flat)) or share(flat) or flat
+
+        self.flats = [away(flat) for flat in self.flats]
 
     def _flat(self, number: int) -> Any:
+        from .lent import LentFlat
+        from .lent import opened as open_lent
         from .shared import SharedFlat, opened
 
         flat = self.flats[number]
         if isinstance(flat, SharedFlat):
             mapped = opened(flat)
             self.flats[number] = flat = _Mapped(mapped, flat.device)
+        elif isinstance(flat, LentFlat):
+            self.flats[number] = flat = open_lent(flat)
         return flat
 
     def _owned(self, number: int, low: int, high: int) -> Any:
@@ -81,12 +93,24 @@ class Pool:
         return data[low - start : high - start].clone()
 
     def close(self) -> None:
-        """Remove any shared-memory file no request read (the front end, once merged)."""
+        """Let go of the flat tensors (the front end, once merged): remove any
+        shared-memory file no request read, and give back what was lent on the
+        device (a lent tensor nobody opened is opened and dropped, which is how
+        its lender learns it may free it)."""
+        from .lent import LentFlat
+        from .lent import opened as open_lent
         from .shared import SharedFlat, discard
 
         for flat in self.flats:
             if isinstance(flat, SharedFlat):
                 discard(flat)
+            elif isinstance(flat, LentFlat):
+                try:
+                    open_lent(flat)  # dropped at once
+                except RuntimeError:
+                    pass  # it cannot be opened here, so it was never counted here
+        self.flats = [None] * len(self.flats)
+        self.windows.clear()
 
     def _span(self, index: int) -> tuple[int, int, int, tuple[int, ...]]:
         flat, offset, shape = self.places[index]
@@ -158,6 +182,8 @@ class Pooler:
                 return ref(value)
             if isinstance(value, Stacked) and poolable(value.data):
                 return Stacked(ref(value.data), value.lengths)
+            if isinstance(value, CachedSteps):
+                return value.replaced(*(swap_value(part) for part in value.parts()))
             return value
 
         def swap_saves(saves: dict) -> dict:
@@ -205,9 +231,10 @@ class Resolver:
     def __init__(self, pools: dict[str, Pool], entry: dict) -> None:
         wanted: dict[str, set[int]] = {}
         for value in entry_values(entry):
-            ref = value.data if isinstance(value, Stacked) else value
-            if isinstance(ref, Pooled):
-                wanted.setdefault(ref.pool, set()).add(ref.index)
+            for part in value.parts() if isinstance(value, CachedSteps) else (value,):
+                ref = part.data if isinstance(part, Stacked) else part
+                if isinstance(ref, Pooled):
+                    wanted.setdefault(ref.pool, set()).add(ref.index)
         self.tensors = {
             (pool, index): tensor
             for pool, indices in wanted.items()
@@ -216,12 +243,14 @@ class Resolver:
         self._done: dict[int, tuple[Any, Any]] = {}
 
     def __call__(self, value: Any) -> Any:
-        if not isinstance(value, Pooled | Stacked):
+        if not isinstance(value, Pooled | Stacked | CachedSteps):
             return value
         kept = self._done.get(id(value))
         if kept is None:
             if isinstance(value, Pooled):
                 resolved = self.tensors[(value.pool, value.index)]
+            elif isinstance(value, CachedSteps):
+                resolved = cache_view(value.path, *(self(part) for part in value.parts()))
             else:
                 data = self(value.data)
                 resolved = Stacked(data, value.lengths).unstack()

@@ -203,6 +203,17 @@ def reports_saves() -> bool:
     return get_pp_group().rank == 0
 
 
+def front_end_elsewhere() -> bool:
+    """Whether the front end that collects from this worker runs in another
+    process (vLLM's engine core as a child process, the default), and this is
+    the first tensor-parallel rank, whose reply the front end keeps: then a pool
+    on the GPU can be lent to it (``returns/lent.py``)."""
+    import vllm.envs as envs
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return bool(envs.VLLM_ENABLE_V1_MULTIPROCESSING) and get_tensor_model_parallel_rank() == 0
+
+
 def request_state(runner: Any, request_id: str) -> Any:
     """The runner's ``CachedRequestState`` for a request (prompt length, computed tokens)."""
     return runner.requests.get(request_id)

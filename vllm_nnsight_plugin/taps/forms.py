@@ -12,6 +12,8 @@ statement; anything else, down to one more statement, runs as Python:
 
     first = <kept>[<index>].save()      # a read on the first step only (index optional)
 
+    cache = tracer.cache(modules=[<tap>])   # the tap's whole output, every step
+
 each optionally followed by ``out = tracer.result.save()``. ``<tap>`` is a module
 path (``model.model.layers[10]``, ``[layer]`` with a captured whole number, or a
 captured node of the tree); ``<kept>`` is ``<tap>.output[0].clone()``,
@@ -28,7 +30,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from .ops import KEEP_FIRST, KEEP_SECOND, KEEP_SUM
+from .ops import KEEP_BOTH, KEEP_FIRST, KEEP_SECOND, KEEP_SUM
 
 _ARITHMETIC = (ast.Add, ast.Sub, ast.Mult, ast.Div)
 
@@ -57,6 +59,7 @@ class Form:
     kept: str | None = None  # the name the kept rows are saved under
     select: Any = None  # a body read's index (an int or a slice), or None
     single: bool = False
+    cache: bool = False  # a ``tracer.cache`` of the tap (both outputs, every step)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -70,7 +73,7 @@ def block_form(source: str) -> Form | None:
         result = _result_save(body[-1])
         if result is not None:
             body = body[:-1]
-    form = _steering(body) or _keeping(body) or _first_read(body)
+    form = _steering(body) or _keeping(body) or _first_read(body) or _cached(body)
     if form is None:
         return None
     if result is not None:
@@ -166,6 +169,33 @@ def _first_read(body: list[ast.stmt]) -> Form | None:
     if kept in _reads(tap, 0, 1):
         return None
     return Form(None, 0, 1, tap, None, code=code, kept=kept, select=select, single=True)
+
+
+def _cached(body: list[ast.stmt]) -> Form | None:
+    """``cache = tracer.cache(modules=[<tap>])`` (or ``tracer.cache([<tap>])``), nothing else."""
+    if len(body) != 1:
+        return None
+    kept = _assigned(body[0])
+    call = body[0].value if kept is not None else None
+    if not (
+        isinstance(call, ast.Call)
+        and isinstance(call.func, ast.Attribute)
+        and call.func.attr == "cache"
+        and isinstance(call.func.value, ast.Name)
+    ):
+        return None
+    if call.args and not call.keywords and len(call.args) == 1:
+        modules = call.args[0]
+    elif not call.args and len(call.keywords) == 1 and call.keywords[0].arg == "modules":
+        modules = call.keywords[0].value
+    else:
+        return None  # any other argument (device, dtype, inputs) runs as Python
+    if not (isinstance(modules, ast.List) and len(modules.elts) == 1):
+        return None
+    tap, tracer = _module_path(modules.elts[0]), call.func.value.id
+    if tap is None or kept in _reads(tap, 0, None) | {tracer}:
+        return None
+    return Form(tracer, 0, None, tap, None, code=KEEP_BOTH, kept=kept, cache=True)
 
 
 # ---------------------------------------------------------------- parts

@@ -91,6 +91,7 @@ class TapTables:
         self._base = np.zeros(entries, dtype=np.int64)  # its region of the store
         self._done = np.zeros(entries, dtype=np.int64)  # rows kept so far
         self._room = np.zeros(entries, dtype=np.int64)  # rows its region holds
+        self._stride = np.ones(entries, dtype=np.int64)  # store rows per kept token row
         self._first = np.zeros(entries, dtype=np.int64)  # rows of its first forward
         self.free = list(range(entries - 1, -1, -1))
         self.requests: dict[str, Lowered] = {}
@@ -124,6 +125,7 @@ class TapTables:
         self._stop[entry] = _NEVER if lowered.stop is None else lowered.stop
         self._steps[entry] = self._done[entry] = self._first[entry] = 0
         self._base[entry], self._room[entry] = lowered.base, lowered.rows
+        self._stride[entry] = lowered.stride
         self.requests[request_id] = lowered
         self._entry_of[request_id] = entry
         self._lowered[entry] = lowered
@@ -154,7 +156,7 @@ class TapTables:
 
     def overflowed(self, lowered: Lowered) -> bool:
         """Whether the request had more rows than its region (its rows were dropped)."""
-        return bool(lowered.code) and int(self._done[lowered.entry]) > lowered.rows
+        return bool(lowered.code) and int(self._done[lowered.entry]) * lowered.stride > lowered.rows
 
     # ------------------------------------------------------------ each step
     def fill(self, req_ids: list[str], bounds: Any) -> None:
@@ -208,8 +210,9 @@ class TapTables:
         keeping = kind == 1
         if keeping.any():
             kept = each[keeping]
-            place = self._done[kept] + within[keeping]
-            fits = place < self._room[kept]
+            stride = self._stride[kept]
+            place = (self._done[kept] + within[keeping]) * stride
+            fits = place + stride <= self._room[kept]
             table[slab[keeping], 2, site[keeping]] = np.where(fits, self._base[kept] + place, 0)
             mine = self._kind[entries] == 1  # entries appear once each: add per entry
             self._done[entries[mine]] += counts[mine]

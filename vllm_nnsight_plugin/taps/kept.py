@@ -20,7 +20,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..returns.cached import CachedSteps
 from ..returns.stacked import Stacked
+from .ops import KEEP_BOTH
 
 KEPT_BYTES_ENV = "VLLM_NNSIGHT_KEPT_BYTES"
 
@@ -43,11 +45,17 @@ class Lowered:
     name: str | None = None  # keeping: the name the kept rows are saved under
     select: Any = None  # a single read: the index applied to the step's rows
     single: bool = False  # one value (a read in the body), not a list of steps
+    cache: str | None = None  # a ``tracer.cache`` of the tap: the module's path in it
     entry: int = -1  # its row in the tables' per-request arrays (and the bank)
     base: int = 0  # keeping: its region of the store
     rows: int = 0
     #: steps whose row count was not the usual one (the prompt first, then one)
     irregular: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def stride(self) -> int:
+        """Rows of the store per kept token row: two for a cache (both outputs)."""
+        return 2 if self.code == KEEP_BOTH else 1
 
 
 def kept_saves(lowered: Lowered, store: Any, steps: int, done: int, first: int) -> dict[str, Any]:
@@ -67,6 +75,10 @@ def kept_saves(lowered: Lowered, store: Any, steps: int, done: int, first: int) 
     lengths = [lowered.irregular.get(s, first if s == 0 else 1) for s in range(lowered.start, stop)]
     if sum(lengths) != done:  # cannot happen while the fill keeps its books
         raise RuntimeError(f"kept {done} rows, counted {sum(lengths)}")
+    if lowered.cache is not None:  # rows in pairs: each token's two outputs
+        pairs = store[lowered.base : lowered.base + 2 * done].view(done, 2, -1)
+        hidden, residual = (Stacked(pairs[:, i].clone(), tuple(lengths)) for i in range(2))
+        return {lowered.name: CachedSteps(lowered.cache, hidden, residual)}
     data = store[lowered.base : lowered.base + done].clone()
     if len(lengths) < 2:
         return {lowered.name: list(Stacked(data, tuple(lengths)).unstack()) if lengths else []}

@@ -12,15 +12,18 @@ the values it captured must pass the checks here, or it runs as Python:
   model's device, in the model's dtype or float32 (where adding it in float32
   and rounding once is exactly what ``+=`` does);
 - a read on the first step indexes the prompt's rows within range (out of range,
-  Python raises on that step, and so it must run as Python).
+  Python raises on that step, and so it must run as Python);
+- a cache names the tap alone, with nnsight's defaults (its values on the host,
+  the output only).
 
 Then the block's whole effect is known. Steering: on steps ``a`` to ``b - 1`` of
 its request, every row of that request at that tap gets the vector added.
 Keeping: on those steps the request's rows at the tap are copied out, and come
-back as the list the loop would have built (or, for a first-step read, the one
-value). Either way, the finished output is saved under ``out`` if the request
-lived through step ``b - 1`` (as Python, the line after the loop runs only then;
-after ``tracer.all()``, never).
+back as the list the loop would have built (for a first-step read, the one
+value; for a cache, the view nnsight's ``tracer.cache`` saves). Either way, the
+finished output is saved under ``out`` if the request lived through step
+``b - 1`` (as Python, the line after the loop runs only then; after
+``tracer.all()``, never; after a cache or a first-step read, always).
 """
 
 from __future__ import annotations
@@ -71,6 +74,8 @@ def lower(
     if form.code:
         lowered.code, lowered.name = form.code, form.kept
         lowered.select, lowered.single = form.select, form.single
+        if form.cache:
+            lowered.cache = f"{model.path}.{path}"  # the key nnsight's cache files it under
         return LoweredBlock(path, lowered, None)
     vector = _vector(form, scope, tables.hidden, dtype, tables.device)
     return None if vector is None else LoweredBlock(path, lowered, vector)

@@ -11,7 +11,9 @@ row ``r`` of ``first`` (code 1), of ``second`` (code 2) or of ``first + second``
 (code 3: the residual stream leaving a decoder layer, by the same addition a
 block's ``hidden + residual`` runs) to ``store[dest[site, r]]``. Rows nobody
 keeps have destination 0, a row of the store that is never read, so the
-operation has one shape for every step and one store serves every tap.
+operation has one shape for every step and one store serves every tap. Code 4
+keeps both outputs, ``first`` at ``dest`` and ``second`` in the row after it
+(a ``tracer.cache`` of the tap: its whole output, every step).
 
 Both are ``torch.library`` custom ops with fake implementations, so
 torch.compile keeps each whole (one opaque call in the graph) and a CUDA graph
@@ -25,7 +27,7 @@ import torch
 NAMESPACE = "vllm_nnsight"
 
 #: What ``keep`` writes for a row, by code.
-KEEP_FIRST, KEEP_SECOND, KEEP_SUM = 1, 2, 3
+KEEP_FIRST, KEEP_SECOND, KEEP_SUM, KEEP_BOTH = 1, 2, 3, 4
 
 
 @torch.library.custom_op(f"{NAMESPACE}::steer", mutates_args=())
@@ -54,7 +56,10 @@ def keep(
     code = codes[site, :rows].unsqueeze(-1)
     value = torch.where(code == KEEP_SECOND, second, first)
     value = torch.where(code == KEEP_SUM, first + second, value)
-    store.index_copy_(0, dest[site, :rows].long(), value.to(store.dtype))
+    places = dest[site, :rows].long()
+    store.index_copy_(0, places, value.to(store.dtype))
+    pairs = torch.where(code.squeeze(-1) == KEEP_BOTH, places + 1, 0)  # the rest to row 0
+    store.index_copy_(0, pairs, second.to(store.dtype))
 
 
 @keep.register_fake

@@ -14,6 +14,7 @@ import pickle
 import time
 from typing import Any
 
+from .. import seams
 from ..returns.outputs import empty_entry
 from ..returns.pool import Pooler
 from ..returns.stacked import shared_tensors, stack_entry
@@ -92,11 +93,16 @@ def pack(
 
 
 def pool_part(pooler: Pooler) -> list[bytes]:
-    """The collect's pool of saved tensors as a reply part (none if nothing pooled)."""
+    """The collect's pool of saved tensors as a reply part (none if nothing pooled).
+
+    Large flats stay on the GPU, lent to the front end, where it is another
+    process (``returns/lent.py``), else go by shared memory (``returns/shared.py``).
+    """
     pool = pooler.pool()
     if pool is None:
         return []
-    pool.share()  # large flats go by shared memory (``returns/shared.py``)
+    on_gpu = any(flat.device.type == "cuda" for flat in pool.flats)
+    pool.share(lend=on_gpu and seams.front_end_elsewhere())
     return [pickle.dumps(pool)]
 
 

@@ -36,7 +36,7 @@ class Lowering:
     def __init__(self, runner: Any) -> None:
         self.runner = runner
         self.count = 0
-        self.by_form = {"steer": 0, "keep": 0, "read": 0}
+        self.by_form = {"steer": 0, "keep": 0, "read": 0, "cache": 0}
         self.known: OrderedDict[bytes, Any] = OrderedDict()
         #: Blocks are served copies of what they read (``NNSIGHT_VLLM_CLONE_READS``):
         #: an in-place edit is then lost, as nnsight documents, so no steering
@@ -99,7 +99,7 @@ class Lowering:
             return False
         room = 0
         if lowered.code:
-            room = rows if lowered.single else most
+            room = (rows if lowered.single else most) * lowered.stride
             if room <= 0:
                 return False
         if not tables.add(request.id, lowered, block.vector, room):
@@ -107,7 +107,8 @@ class Lowering:
         request.mediator = None  # nothing of it runs as Python
         self.count += 1
         code, single = lowered.code, lowered.single
-        self.by_form["steer" if not code else "read" if single else "keep"] += 1
+        form = "steer" if not code else "read" if single else "cache" if lowered.cache else "keep"
+        self.by_form[form] += 1
         return True
 
     def forget(self, tables: Any, index: Any, requests: Any, request_ids: list[str]) -> dict[str, dict]:
@@ -139,7 +140,8 @@ class Lowering:
                         request.error = nns.capture_exception(error)
                         continue
                     loop_ended = lowered.stop is not None and steps >= lowered.stop
-                    if lowered.result is not None and (loop_ended or lowered.single):
+                    whole = lowered.single or lowered.cache is not None  # no loop to end
+                    if lowered.result is not None and (loop_ended or whole):
                         saves[lowered.result] = OUTPUT
                     if saves:
                         saved.setdefault(request.engine_id, {}).update(saves)

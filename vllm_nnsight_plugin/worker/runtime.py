@@ -387,12 +387,15 @@ class WorkerRuntime:
 
     def stats(self) -> dict[str, Any]:
         """What this worker did: blocks held, steps run as Python on a compiled engine."""
+        from ..returns.lent import stats as lent
+
         return {
             "tracked": self.tracked(),
             "compiled_engine": not self.eager,
             "uncompiled_steps": self.python_steps,
             "eager_kernels": 0 if self.kernels is None else len(self.kernels),
             **self.lowering.stats(),
+            **lent(),
             **({} if self.tables is None else self.tables.stats()),
             "graph_modes": seams.graph_mode_counts(self.runner),
             "runner": seams.runner_name(self.runner),
