@@ -12,7 +12,7 @@ from vllm import SamplingParams
 from vllm_nnsight_plugin import VLLM
 from vllm_nnsight_plugin.returns.cached import CachedSteps
 from vllm_nnsight_plugin.taps.forms import block_form
-from vllm_nnsight_plugin.taps.install import Lowered, TapTables, returns_tuple
+from vllm_nnsight_plugin.taps.install import Lowered, TapTables, _tapped_class, returns_tuple
 from vllm_nnsight_plugin.taps.kept import Regions
 from vllm_nnsight_plugin.taps.ops import KEEP_BOTH, KEEP_FIRST, KEEP_SECOND, KEEP_SUM
 from vllm_nnsight_plugin.taps.spec import TapError, parse, resolve
@@ -274,6 +274,37 @@ def test_a_cache_keeps_both_outputs_of_each_row_in_pairs():
     assert tables.regions.free_rows() == 31
 
 
+def test_source_sees_through_the_tap_to_the_modules_own_forward():
+    from nnsight.intervention.source import compiled, decorator_chain
+
+    class Layer(torch.nn.Module):
+        def forward(self, x, residual):
+            hidden = torch.relu(x)
+            return hidden, residual
+
+    inner, chain = decorator_chain(_tapped_class(Layer).forward)
+    assert inner is Layer.forward and len(chain) == 1
+    assert compiled(inner).names == ("torch_relu_0", "hidden_0")
+
+
+def source_reads(model):
+    with model.trace(PROMPT, temperature=0.0, max_tokens=1):
+        tapped = model.model.layers[10].source.self_self_attn_0.output.save()
+        untapped = model.model.layers[11].source.self_self_attn_0.output.save()
+    return tapped, untapped
+
+
+def direct_read(model):
+    with model.trace(PROMPT, temperature=0.0, max_tokens=1):
+        direct = model.model.layers[10].self_attn.output.save()
+    return direct
+
+
+def test_a_tapped_modules_operations_are_read_by_their_own_names(smol):
+    tapped, untapped = source_reads(smol)
+    assert torch.equal(tapped, direct_read(smol)) and tapped.shape == untapped.shape
+
+
 def test_the_store_hands_out_and_merges_regions():
     regions = Regions(10)
     assert [regions.take(3), regions.take(3), regions.take(3), regions.take(1)] == [1, 4, 7, None]
@@ -502,3 +533,29 @@ def test_a_prompt_split_by_chunked_prefill_is_never_lowered():
     assert not _whole_prompt(
         SimpleNamespace(req_id="r", prompt_token_ids=None), SimpleNamespace(num_scheduled_tokens={})
     )
+
+
+def steer_sequences(model, vector):
+    with model.trace(PROMPT, temperature=1.0, seed=0, n=2, max_tokens=4) as tracer:
+        for _ in tracer.iter[:4]:
+            model.model.layers[10].output[0][:] += vector
+        out = tracer.result.save()
+    return out
+
+
+def test_a_request_that_samples_several_sequences_runs_as_python(smollm2_llm, smol):
+    """``n > 1``: each sequence's values come back as nnsight gives them, from the
+    Python path (the tables hold one entry per request)."""
+    torch.manual_seed(0)
+    vector = torch.randn(576)
+    vector = 60.0 * vector / vector.norm()
+    ((before,), out) = smollm2_llm.collective_rpc("nnsight_stats"), steer_sequences(smol, vector)
+    (after,) = smollm2_llm.collective_rpc("nnsight_stats")
+    assert after["lowered"] == before["lowered"] and after["tracked"] == 0
+    assert len(out.outputs) == 2 and all(len(o.token_ids) == 4 for o in out.outputs)
+    plain = smollm2_llm.generate(
+        [PROMPT], SamplingParams(temperature=1.0, seed=0, n=2, max_tokens=4), use_tqdm=False
+    )[0]
+    assert sorted(map(list, (o.token_ids for o in out.outputs))) != sorted(
+        map(list, (o.token_ids for o in plain.outputs))
+    )  # the edit landed on the Python path

@@ -310,8 +310,14 @@ def _tapped_class(base: type) -> type:
     if found is not None:
         return found
 
+    # Called by name from a closure cell: nnsight's ``.source`` sees through such a
+    # wrapper (it instruments ``original`` and rebuilds the wrapper around it), so a
+    # block reading a tapped module's operations finds the model's own, by the
+    # same names as on an untapped engine.
+    original = base.forward
+
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-        out = base.forward(self, *args, **kwargs)
+        out = original(self, *args, **kwargs)
         tables, site = self.__dict__[_TABLES], self.__dict__[_SITE]
         steer, keep = torch.ops.vllm_nnsight.steer, torch.ops.vllm_nnsight.keep
         if isinstance(out, tuple) and len(out) >= 2:
