@@ -312,6 +312,83 @@ def test_uncollected_blocks_are_dropped_after_their_request_ends(smol, smollm2_l
     assert smollm2_llm.collective_rpc("nnsight_tracked") == [0]
 
 
+def test_a_finished_sequence_waits_for_its_siblings_before_it_is_stale():
+    from types import SimpleNamespace
+
+    from vllm_nnsight_plugin.worker.collect import UNCOLLECTED_STEPS, Uncollected
+
+    tracked = {
+        "0_r": SimpleNamespace(engine_id="r"),
+        "1_r": SimpleNamespace(engine_id="r"),
+        "alone": SimpleNamespace(engine_id="alone"),
+    }
+    books = Uncollected(0.0)
+    books.step(["0_r", "alone"], tracked)
+    for _ in range(UNCOLLECTED_STEPS - 1):
+        assert books.step([], tracked) == []
+    assert books.step([], tracked) == ["alone"]  # the sibling of 0_r still runs
+    del tracked["alone"]
+    for _ in range(3 * UNCOLLECTED_STEPS):
+        assert books.step([], tracked) == []
+    # Once the last sequence finishes, the request as a whole gets the usual wait.
+    assert books.step(["1_r"], tracked) == []
+    for _ in range(UNCOLLECTED_STEPS - 1):
+        assert books.step([], tracked) == []
+    assert sorted(books.step([], tracked)) == ["0_r", "1_r"]
+
+
+def early_and_late(model, stop):
+    with model.trace(PROMPT, temperature=1.0, seed=1, n=2, max_tokens=96, stop_token_ids=[stop]) as tracer:
+        drawn = list().save()
+        for _ in tracer.all():
+            drawn.append(model.samples.item())
+    return drawn
+
+
+def test_a_sequence_that_finishes_early_keeps_its_saves_while_its_sibling_runs(smol, smollm2_llm):
+    """``n > 1``: one sequence stops on its first token, the other runs on for
+    longer than an uncollected block is kept (conftest shortens that wait)."""
+    params = SamplingParams(temperature=1.0, seed=1, n=2, max_tokens=96)
+    plain = smollm2_llm.generate([PROMPT], params, use_tqdm=False)[0]
+    a, b = (list(o.token_ids) for o in plain.outputs)
+    # A token one sequence draws early and the other never draws: stopping on it
+    # ends the first sequence there and leaves the other to run its course.
+    early = [
+        (i + 1, seq[i]) for seq, sib in ((a, b), (b, a)) for i in range(8) if seq[i] not in sib + seq[:i]
+    ]
+    assert early, (a, b)
+    length, stop = min(early)
+    want = sorted(seq[: seq.index(stop) + 1] if stop in seq else seq for seq in (a, b))
+    started = time.monotonic()
+    drawn = early_and_late(smol, stop)
+    assert time.monotonic() - started > UNCOLLECTED_S  # long enough to have been dropped
+    assert isinstance(drawn, list) and len(drawn) == 2  # both sequences' saves came home
+    lengths = sorted(map(len, want))
+    assert sorted(map(list, drawn)) == want and lengths[0] == length and lengths[1] > length + 8
+    assert smollm2_llm.collective_rpc("nnsight_tracked") == [0]
+
+
+def test_a_misspelled_sampling_keyword_is_refused_with_the_right_spelling(smol):
+    with pytest.raises(
+        TypeError, match="'temprature' is not a sampling parameter; did you mean 'temperature'"
+    ):
+        with smol.trace(PROMPT, temprature=0.0, max_tokens=1):
+            smol.logits.save()
+    with pytest.raises(ValueError, match="separate tracer.invoke"):  # nnsight's own refusal
+        with smol.trace(temperature=0.0, max_tokens=1) as tracer:
+            with tracer.invoke([PROMPT, "Paris is in"]):
+                smol.logits.save()
+    assert plain_tokens(smol.vllm_entrypoint, PROMPT, 1)[0] == smol.tokenizer.encode(" Paris")[0]
+
+
+def test_an_out_of_order_read_says_so(smol):
+    from tests.test_compiled import out_of_order
+
+    with pytest.raises(Exception, match="OutOfOrderError.*layers.10"):
+        out_of_order(smol)
+    assert plain_tokens(smol.vllm_entrypoint, PROMPT, 1)[0] == smol.tokenizer.encode(" Paris")[0]
+
+
 def test_stop_string_still_returns_saves(smol):
     with smol.trace(PROMPT, temperature=0.0, max_tokens=16, stop=["answer"]) as tracer:
         first = smol.model.layers[3].output[0].clone().save()

@@ -145,6 +145,21 @@ def test_a_lowered_capture_keeps_every_step_compiled(compiled):
         assert torch.allclose(a, b, atol=1e-3, rtol=1e-4)
 
 
+def out_of_order(model):
+    with model.trace(PROMPT, temperature=0.0, max_tokens=1):
+        late = model.model.layers[20].output[0].clone().save()  # noqa: F841
+        early = model.model.layers[10].output[0].clone().save()  # noqa: F841  (already run past)
+
+
+def test_an_out_of_order_read_is_reported_as_one_on_a_compiled_engine(compiled):
+    model = VLLM(compiled)
+    with pytest.raises(Exception, match="OutOfOrderError") as raised:
+        out_of_order(model)
+    assert "layers.10" in str(raised.value) and "CompiledForwardError" not in str(raised.value)
+    (stats,) = compiled.collective_rpc("nnsight_stats")
+    assert stats["tracked"] == 0
+
+
 @pytest.fixture(scope="module")
 def compiled_no_fallback(smollm2_path, compiled):
     stop_llm(compiled)  # one engine at a time on two cores

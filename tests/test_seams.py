@@ -221,6 +221,20 @@ def test_the_reads_lending_saves_on_the_device_relies_on():
     assert callable(parallel_state.get_tensor_model_parallel_rank)
 
 
+def test_blocks_are_refused_on_pipeline_and_data_parallel_engines():
+    """``seams.frontend.unsupported_parallelism`` on vLLM's own parallel config
+    (the input processor reads it from ``self.vllm_config``)."""
+    from vllm.config import ParallelConfig
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from vllm_nnsight_plugin.seams.frontend import unsupported_parallelism
+
+    assert "self.vllm_config = vllm_config" in inspect.getsource(InputProcessor.__init__)
+    assert unsupported_parallelism(ParallelConfig()) is None
+    assert "pipeline_parallel_size > 1" in unsupported_parallelism(ParallelConfig(pipeline_parallel_size=2))
+    assert "data_parallel_size > 1" in unsupported_parallelism(ParallelConfig(data_parallel_size=2))
+
+
 def test_register_is_cheap_and_idempotent():
     code = (
         "import sys, vllm\n"

@@ -126,13 +126,22 @@ def test_served_trace_reads_like_the_offline_one(armed, client, smol):
             out = tracer.result.save()
         return hidden, logits, out
 
-    hidden, logits, out = run(client, serve=armed.url, key=KEY)
+    hidden, logits, out = run(client, serve=armed.url, api_key=KEY)  # nnsight's spelling of key=
     hidden_offline, logits_offline, out_offline = run(smol)
     assert tuple(hidden.shape) == (5, 576) and hidden.dtype == torch.float32
     torch.testing.assert_close(hidden, hidden_offline, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(logits, logits_offline, rtol=1e-4, atol=1e-4)
     assert list(out.outputs[0].token_ids) == list(out_offline.outputs[0].token_ids)
     assert out.outputs[0].text.startswith(" Paris")
+
+
+def test_key_and_api_key_are_one_setting():
+    from vllm_nnsight_plugin.client.model import _key_spelling
+
+    assert _key_spelling(None, {"api_key": "k"}) == _key_spelling("k", {}) == "k"
+    assert _key_spelling("k", {"api_key": "k"}) == "k"
+    with pytest.raises(ValueError, match="key=... or api_key"):
+        _key_spelling("k", {"api_key": "other"})
 
 
 def test_served_invokes_steps_and_generate(armed, client):

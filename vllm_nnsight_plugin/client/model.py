@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import difflib
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -61,6 +62,29 @@ class PreparedRequests:
     def vllm_xargs(self) -> list[dict]:
         """Per request, the ``vllm_xargs`` that carry its block to a server."""
         return [{EXTRA_ARGS_KEY: param.extra_args[EXTRA_ARGS_KEY]} for param in self.params]
+
+
+def _key_spelling(key: str | None, kwargs: dict) -> str | None:
+    """``key=``, or ``api_key=`` (taken out of ``kwargs``); both, only if they agree."""
+    api_key = kwargs.pop("api_key", None)
+    if api_key is not None and key is not None and api_key != key:
+        raise ValueError("pass the operator's key once: key=... or api_key=..., not two different keys")
+    return key if key is not None else api_key
+
+
+def _check_sampling_keywords(kwargs: dict) -> None:
+    """Refuse a misspelled sampling keyword now, with the one it is close to (vLLM
+    refuses it only as the trace ends, and names no alternative)."""
+    try:
+        from vllm import SamplingParams
+
+        fields = [name for name in SamplingParams.__struct_fields__ if not name.startswith("_")]
+    except Exception:  # no vLLM here, or another SamplingParams: vLLM's own check stands
+        return
+    for name in kwargs:
+        close = [] if name in fields else difflib.get_close_matches(name, fields, n=1, cutoff=0.8)
+        if close:
+            raise TypeError(f"{name!r} is not a sampling parameter; did you mean {close[0]!r}?")
 
 
 def _seal_params(params: list, count: int, server_key: str | None = None) -> None:
@@ -203,7 +227,10 @@ class VLLM(_NNsightVLLM):
 
     def trace(self, *inputs: Any, serve: str | None = None, key: str | None = None, **kwargs: Any) -> Any:
         """nnsight's trace; ``serve=url`` (with the operator's ``key``, or
-        ``VLLM_NNSIGHT_KEY``) runs it on a server with the plugin installed."""
+        ``VLLM_NNSIGHT_KEY``) runs it on a server with the plugin installed.
+        ``api_key=`` (nnsight's spelling for a remote service) is the same as ``key=``."""
+        key = _key_spelling(key, kwargs)
+        _check_sampling_keywords(kwargs)
         if serve is not None:
             from .remote import Server
 
@@ -265,6 +292,7 @@ class VLLM(_NNsightVLLM):
         ``extra_body``.
         """
         prepared = PreparedRequests()
+        key = _key_spelling(key, kwargs)
         tracer = self.trace(*inputs, fn=_Take(self, prepared, key), **kwargs)
         tracer.prepared = prepared
         return tracer

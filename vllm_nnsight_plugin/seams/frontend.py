@@ -157,13 +157,27 @@ def _sign_vouched(processor: Any, extra: dict) -> None:
             "which the plugin does not instrument, so the block would never run; unset "
             "VLLM_USE_V2_MODEL_RUNNER (the plugin then selects the V1 runner)."
         )
-    parallel = getattr(config, "parallel_config", None)
+    refusal = unsupported_parallelism(getattr(config, "parallel_config", None))
+    if refusal is not None:
+        raise _refused(refusal)
+    extra[LOCAL_SIGNATURE_KEY] = local_signature(envelope)
+
+
+def unsupported_parallelism(parallel: Any) -> str | None:
+    """Why a block cannot run on an engine laid out this way, or None. Plain
+    requests on such an engine are untouched."""
     if getattr(parallel, "data_parallel_size", 1) > 1:
-        raise _refused(
+        return (
             "nnsight blocks are not supported with data_parallel_size > 1 yet (saves "
             "are collected from one engine only); serve with one data-parallel rank."
         )
-    extra[LOCAL_SIGNATURE_KEY] = local_signature(envelope)
+    if getattr(parallel, "pipeline_parallel_size", 1) > 1:
+        return (
+            "nnsight blocks are not supported with pipeline_parallel_size > 1 (each "
+            "stage holds only some of the layers a block may read); split the model "
+            "with tensor_parallel_size instead."
+        )
+    return None
 
 
 def patch_llm_engine() -> None:

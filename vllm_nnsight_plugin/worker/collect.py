@@ -128,17 +128,28 @@ class Uncollected:
         self.finished_at: dict[str, tuple[int, float]] = {}
 
     def step(self, finished: Any, tracked: dict) -> list[str]:
-        """Count a step; note which tracked requests finished; return the stale ones."""
+        """Count a step; note which tracked requests finished; return the stale ones.
+
+        A sequence of an ``n > 1`` request is never stale while a sibling still
+        runs: the front end collects them together, when the last one finishes.
+        """
         self.steps += 1
         now = time.monotonic()
         for request_id in finished or ():
             if request_id in tracked:
                 self.finished_at.setdefault(request_id, (self.steps, now))
-        stale = [
-            rid
-            for rid, (step, at) in self.finished_at.items()
+        last: dict[str, tuple[int, float]] = {}  # per request, its last sequence's finish
+        for rid, (step, at) in self.finished_at.items():
+            seen = last.get(parent := _parent(rid, tracked), (step, at))
+            last[parent] = (max(seen[0], step), max(seen[1], at))
+        old = {
+            p
+            for p, (step, at) in last.items()
             if self.steps - step >= UNCOLLECTED_STEPS and now - at >= self.seconds
-        ]
+        }
+        if old:
+            old -= {_parent(rid, tracked) for rid in tracked if rid not in self.finished_at}  # still running
+        stale = [rid for rid in self.finished_at if _parent(rid, tracked) in old]
         for request_id in stale:
             del self.finished_at[request_id]
         return [rid for rid in stale if rid in tracked]
@@ -147,3 +158,8 @@ class Uncollected:
         """Drop the notes of requests no longer tracked (they were collected)."""
         for request_id in [rid for rid in self.finished_at if rid not in tracked]:
             del self.finished_at[request_id]
+
+
+def _parent(request_id: str, tracked: dict) -> str:
+    """The request a tracked sequence belongs to (its own id unless ``n > 1``)."""
+    return getattr(tracked.get(request_id), "engine_id", request_id)

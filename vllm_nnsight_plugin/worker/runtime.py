@@ -357,24 +357,21 @@ class WorkerRuntime:
         self.uncollected.forget(self.requests.requests)
         if any(entry.get("saves") or entry.get("sequences") for entry in entries.values()):
             synchronize_device()
-        miss = None if self.eager else self._compiled_miss()
+        # Only a step that stayed compiled misses module locations; with Python steps a
+        # location "already run past" is the block's own order (layer 20, then 10).
+        miss = None if self.eager or self.eager_steps else self._compiled_miss()
         pooler = Pooler()
         parts = [pack(rid, entries.get(rid), self.limits, miss, pooler) for rid in request_ids]
         return parts + pool_part(pooler)
 
     def _compiled_miss(self) -> str:
-        """Why a module location was never reached on this compiled engine."""
-        if not self.eager_steps:
-            why = (
-                f"it was started with {_EAGER_STEPS_ENV}=0, so a step with a block stays "
-                f"compiled. For module locations unset {_EAGER_STEPS_ENV} or build the "
-                "engine with enforce_eager=True."
-            )
-        else:
-            why = (
-                "the step ran as Python but this model's compiled forward was not "
-                "bypassed. Build the engine with enforce_eager=True for module locations."
-            )
+        """Why a module location was never reached on this compiled engine (started
+        with Python steps off)."""
+        why = (
+            f"it was started with {_EAGER_STEPS_ENV}=0, so a step with a block stays "
+            f"compiled. For module locations unset {_EAGER_STEPS_ENV} or build the "
+            "engine with enforce_eager=True."
+        )
         return (
             "this engine compiles the model's forward (torch.compile or CUDA graphs), "
             "where module hooks do not fire, so a module location was never reached: "
