@@ -221,6 +221,19 @@ def test_the_reads_lending_saves_on_the_device_relies_on():
     assert callable(parallel_state.get_tensor_model_parallel_rank)
 
 
+def test_the_read_of_requests_resumed_after_a_preemption():
+    """``seams.resumed_ids``: vLLM names the requests a step recomputes."""
+    import dataclasses
+
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+
+    assert "resumed_req_ids" in {f.name for f in dataclasses.fields(CachedRequestData)}
+    assert "scheduled_cached_reqs" in {f.name for f in dataclasses.fields(SchedulerOutput)}
+    cached = CachedRequestData.make_empty()
+    cached.resumed_req_ids = {"a"}
+    assert seams.resumed_ids(type("Out", (), {"scheduled_cached_reqs": cached})()) == {"a"}
+
+
 def test_blocks_are_refused_on_pipeline_and_data_parallel_engines():
     """``seams.frontend.unsupported_parallelism`` on vLLM's own parallel config
     (the input processor reads it from ``self.vllm_config``)."""

@@ -155,6 +155,13 @@ def new_params(scheduler_output: Any) -> list:
     return [getattr(data, "sampling_params", None) for data in new_requests(scheduler_output)]
 
 
+def resumed_ids(scheduler_output: Any) -> set[str]:
+    """Requests this step resumes after a preemption: vLLM recomputes their prompt
+    and generated tokens in this one step (``CachedRequestData.resumed_req_ids``)."""
+    cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+    return set(getattr(cached, "resumed_req_ids", None) or ())
+
+
 def scheduled_ids(scheduler_output: Any) -> Any:
     """Ids of every request scheduled in this step."""
     return getattr(scheduler_output, "num_scheduled_tokens", None) or ()

@@ -25,3 +25,7 @@ class CompiledForwardError(RuntimeError):
 
 class KeptRowsError(RuntimeError):
     """A lowered request produced more rows at its tap than its region holds."""
+
+
+class PreemptedError(RuntimeError):
+    """A request was preempted after its block had run, and vLLM recomputed it."""

@@ -38,8 +38,8 @@ from .. import seams
 from ..taps.spec import RUNNER_ATTR
 from ..wire.envelope import Limits
 from ..wire.references import envoy_references
-from .errors import ChunkedPromptError
 from .lowering import OUTPUT, Lowering
+from .refusals import refuse_chunked, refuse_resumed
 from .step import Phase, Step
 
 logger = logging.getLogger("vllm_nnsight_plugin")
@@ -71,6 +71,7 @@ class WorkerRuntime:
         # engine's CUDA graphs and compiled code.
         self.eager_steps = os.environ.get(_EAGER_STEPS_ENV, "1").strip().lower() not in _FALSY
         self.python_steps = 0
+        self.resumed = self.preempted = 0  # requests resumed after a preemption; blocks it ended
         self.kernels: Any = None  # the eager kernels for a compiled engine's Python steps
         self.lowering = Lowering(runner)  # requests whose blocks run on the tap tables
         self.step: Step | None = None
@@ -115,6 +116,11 @@ class WorkerRuntime:
             stale = self.uncollected.step(seams.finished_ids(scheduler_output), self.requests.requests)
             if stale:
                 self.collect(stale, None)
+        resumed = seams.resumed_ids(scheduler_output)  # preempted, recomputed now
+        if resumed:
+            self.resumed += len(resumed)
+            if self.requests is not None:
+                self.preempted += refuse_resumed(self.requests, self.tables, resumed, nns.capture_exception)
         new_block = any(seams.carries_block(params) for params in seams.new_params(scheduler_output))
         if self.model is None and new_block:
             self._build()
@@ -162,6 +168,9 @@ class WorkerRuntime:
         except Exception:
             logger.exception("vllm-nnsight: could not lower request %s", request.id)
             return False
+
+    def _state_of(self, request_id: str) -> Any:
+        return seams.request_state(self.runner, request_id)
 
     @property
     def tables(self) -> Any:
@@ -248,32 +257,12 @@ class WorkerRuntime:
         layout = seams.StepLayout(self.runner)
         spans = layout.spans()
         step.rows = {rid: row for row, rid in enumerate(layout.req_ids)}
-        self._refuse_chunked(spans)
+        refuse_chunked(self.requests, spans, self._state_of, nns.capture_exception)
         interleaver = self.model.interleaver
         interleaver.mediators = []
         interleaver.__enter__()
         step.phase = Phase.FORWARD
         requests.scope(self.model, spans)
-
-    def _refuse_chunked(self, spans: list[tuple[str, int]]) -> None:
-        for request_id, scheduled in spans:
-            request = self.requests.requests.get(request_id)
-            if request is None or request.mediator is None:
-                continue
-            state = seams.request_state(self.runner, request_id)
-            if state is None or state.num_computed_tokens + scheduled >= state.num_prompt_tokens:
-                continue
-            request.error = nns.capture_exception(
-                ChunkedPromptError(
-                    f"this request's {state.num_prompt_tokens}-token prompt was split across "
-                    f"engine steps by chunked prefill ({scheduled} tokens in this step), so "
-                    "its block could not see the prompt whole. Raise max_num_batched_tokens "
-                    "above the prompt length, or build the engine with "
-                    "enable_chunked_prefill=False."
-                )
-            )
-            request.mediator = None
-            request.copies = {}
 
     def _on_logits(self, module: Any, args: Any, kwargs: Any) -> Any:
         step = self.step
@@ -390,6 +379,8 @@ class WorkerRuntime:
             "tracked": self.tracked(),
             "compiled_engine": not self.eager,
             "uncompiled_steps": self.python_steps,
+            "resumed": self.resumed,
+            "preempted_blocks": self.preempted,
             "eager_kernels": 0 if self.kernels is None else len(self.kernels),
             **self.lowering.stats(),
             **lent(),
