@@ -387,6 +387,9 @@ def test_an_out_of_order_read_says_so(smol):
     with pytest.raises(Exception, match="OutOfOrderError.*layers.10"):
         out_of_order(smol)
     assert plain_tokens(smol.vllm_entrypoint, PROMPT, 1)[0] == smol.tokenizer.encode(" Paris")[0]
+    with smol.trace(PROMPT, temperature=0.0, max_new_tokens=2) as tracer:  # nnsight's spelling
+        out = tracer.result.save()
+    assert len(out.outputs[0].token_ids) == 2
 
 
 def test_stop_string_still_returns_saves(smol):

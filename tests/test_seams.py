@@ -102,6 +102,9 @@ def test_scheduler_reads_the_chunking_switches_where_we_override_them():
     assert "self.scheduler_config.enable_chunked_prefill" in source
     assert "self.scheduler_config.long_prefill_token_threshold" in source
     assert "self.max_num_scheduled_tokens" in source
+    # ``_traced_first``: first come, first served preempts the last running request.
+    assert "self.running[-1]" in source or "self.running.pop()" in source
+    assert "self.running: list[Request]" in inspect.getsource(Scheduler.__init__)
 
 
 def test_openai_server_parts_the_response_path_relies_on():

@@ -72,6 +72,14 @@ def _key_spelling(key: str | None, kwargs: dict) -> str | None:
     return key if key is not None else api_key
 
 
+#: Keywords a trace takes besides vLLM's sampling parameters (nnsight's and ours):
+#: never read as a misspelling, however close (``max_new_tokens`` is nnsight's
+#: spelling of ``max_tokens``).
+_TRACE_KEYWORDS = frozenset(
+    {"max_new_tokens", "lora_request", "edits", "api_key", "serve", "remote", "backend", "fn", "tracer_cls"}
+)
+
+
 def _check_sampling_keywords(kwargs: dict) -> None:
     """Refuse a misspelled sampling keyword now, with the one it is close to (vLLM
     refuses it only as the trace ends, and names no alternative)."""
@@ -82,7 +90,9 @@ def _check_sampling_keywords(kwargs: dict) -> None:
     except Exception:  # no vLLM here, or another SamplingParams: vLLM's own check stands
         return
     for name in kwargs:
-        close = [] if name in fields else difflib.get_close_matches(name, fields, n=1, cutoff=0.8)
+        if name in fields or name in _TRACE_KEYWORDS:
+            continue
+        close = difflib.get_close_matches(name, fields, n=1, cutoff=0.8)
         if close:
             raise TypeError(f"{name!r} is not a sampling parameter; did you mean {close[0]!r}?")
 

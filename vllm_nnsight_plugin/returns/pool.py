@@ -249,10 +249,14 @@ class Resolver:
         if kept is None:
             if isinstance(value, Pooled):
                 resolved = self.tensors[(value.pool, value.index)]
-            elif isinstance(value, CachedSteps):
-                resolved = cache_view(value.path, *(self(part) for part in value.parts()))
+            elif isinstance(value, CachedSteps):  # a cache's values live on the host
+                resolved = cache_view(value.path, *(self._on_host(part) for part in value.parts()))
             else:
                 data = self(value.data)
                 resolved = Stacked(data, value.lengths).unstack()
             kept = self._done[id(value)] = (value, resolved)
         return kept[1]
+
+    def _on_host(self, stacked: Stacked) -> list:
+        """A stacked list's steps on the host: one copy of the whole, then views."""
+        return Stacked(self(stacked.data).cpu(), stacked.lengths).unstack()

@@ -45,12 +45,14 @@ def patch_scheduler() -> None:
             result = original(self, request, *args, **kwargs)
             if carries_block(request.sampling_params):
                 self.__dict__.setdefault("_nnsight_waiting", {})[request.request_id] = request
+                self.__dict__.setdefault("_nnsight_traced", set()).add(request.request_id)
             return result
 
         return add_request
 
     def make_schedule(original: Callable) -> Callable:
         def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+            _traced_first(self)
             waiting = self.__dict__.get("_nnsight_waiting")
             if not waiting:
                 return original(self, *args, **kwargs)
@@ -75,3 +77,20 @@ def patch_scheduler() -> None:
 
     _wrap(Scheduler, "add_request", make_add)
     _wrap(Scheduler, "schedule", make_schedule)
+
+
+def _traced_first(scheduler: Any) -> None:
+    """Order the running requests with blocks first, so that when the KV cache runs
+    out, vLLM's first-come-first-served scheduler preempts a plain request (it takes
+    the last running one), which it recomputes exactly, before a traced one, whose
+    block a recompute could not replay (``worker/refusals.py``). Among plain
+    requests, and among traced ones, the order stays as it was. A scheduler with
+    priorities chooses by priority and is left to it."""
+    traced = scheduler.__dict__.get("_nnsight_traced")
+    if not traced:
+        return
+    for request_id in [rid for rid in traced if rid not in scheduler.requests]:
+        traced.discard(request_id)  # finished or aborted
+    running = scheduler.running
+    if traced and len(running) > 1 and running[-1].request_id in traced:
+        running.sort(key=lambda request: request.request_id not in traced)  # stable

@@ -142,18 +142,10 @@ def _keeping(body: list[ast.stmt]) -> Form | None:
 
 def _first_read(body: list[ast.stmt]) -> Form | None:
     """``first = <kept>[<index>].save()``: the body runs on the first step only."""
-    if len(body) != 1:
+    found = _assigned_call(body, "save")
+    if found is None or found[1].args or found[1].keywords:
         return None
-    kept = _assigned(body[0])
-    call = body[0].value if kept is not None else None
-    if not (
-        isinstance(call, ast.Call)
-        and not call.args
-        and not call.keywords
-        and isinstance(call.func, ast.Attribute)
-        and call.func.attr == "save"
-    ):
-        return None
+    kept, call = found
     node, select = call.func.value, None  # what ``.save()`` is called on
     value = _kept_value(node)
     if value is None and _is_clone(node) and isinstance(node.func.value, ast.Subscript):
@@ -173,17 +165,10 @@ def _first_read(body: list[ast.stmt]) -> Form | None:
 
 def _cached(body: list[ast.stmt]) -> Form | None:
     """``cache = tracer.cache(modules=[<tap>])`` (or ``tracer.cache([<tap>])``), nothing else."""
-    if len(body) != 1:
+    found = _assigned_call(body, "cache")
+    if found is None or not isinstance(found[1].func.value, ast.Name):
         return None
-    kept = _assigned(body[0])
-    call = body[0].value if kept is not None else None
-    if not (
-        isinstance(call, ast.Call)
-        and isinstance(call.func, ast.Attribute)
-        and call.func.attr == "cache"
-        and isinstance(call.func.value, ast.Name)
-    ):
-        return None
+    kept, call = found
     if call.args and not call.keywords and len(call.args) == 1:
         modules = call.args[0]
     elif not call.args and len(call.keywords) == 1 and call.keywords[0].arg == "modules":
@@ -213,6 +198,17 @@ def _loop(node: ast.stmt) -> tuple[str, Any, Any, str, ast.stmt] | None:
         return None
     tracer, start, stop = steps
     return tracer, start, stop, node.target.id, node.body[0]
+
+
+def _assigned_call(body: list[ast.stmt], method: str) -> tuple[str, ast.Call] | None:
+    """A body of one statement, ``name = <something>.<method>(...)`` -> (name, the call)."""
+    if len(body) != 1:
+        return None
+    name = _assigned(body[0])
+    call = body[0].value if name is not None else None
+    if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == method:
+        return name, call
+    return None
 
 
 def _assigned(node: ast.stmt) -> str | None:
