@@ -148,10 +148,6 @@ class TapTables:
             lowered, self.store, int(self._steps[entry]), int(self._done[entry]), int(self._first[entry])
         )
 
-    def steps_of(self, lowered: Lowered) -> int:
-        """How many forwards a request on the tables has been in so far."""
-        return int(self._steps[lowered.entry])
-
     def release(self, lowered: Lowered) -> None:
         """Give a forgotten request's region of the store back (its rows were read)."""
         if lowered.code and lowered.rows:

@@ -11,10 +11,11 @@ step as the step it expects (one new row), and whatever it wrote into earlier
 steps is not in the recomputed KV. So a resumed request keeps its block only
 where the recompute is exactly what the block did:
 
-- a lowered steering block whose window began at the first step and has not
-  ended: the tables add its vector to every row of the request in the
-  recomputing step, which is what they added to each of those rows when it was
-  first computed;
+- a lowered steering block over every step (``tracer.all()``): the tables add
+  its vector to every row of the request in the recompute, which is what they
+  added to each of those rows when it was first computed. (A loop with an end
+  counts forwards, and a recompute split by chunked prefill would add one, so
+  it is not trusted to end where it should.)
 - a request whose block has not started (it never ran).
 
 Any other block ends its request at once with :class:`PreemptedError`, never a
@@ -60,7 +61,7 @@ def refuse_resumed(requests: Any, tables: Any, resumed: set[str], capture: Any) 
             continue
         lowered = None if tables is None else tables.requests.get(request_id)
         if lowered is not None:
-            if _replayed_exactly(lowered, tables):
+            if _replayed_exactly(lowered):
                 continue
             taken = tables.forget(request_id)
             if taken is not None:
@@ -74,9 +75,8 @@ def refuse_resumed(requests: Any, tables: Any, resumed: set[str], capture: Any) 
     return failed
 
 
-def _replayed_exactly(lowered: Any, tables: Any) -> bool:
-    steps = tables.steps_of(lowered)
-    return not lowered.code and lowered.start == 0 and (lowered.stop is None or steps < lowered.stop)
+def _replayed_exactly(lowered: Any) -> bool:
+    return not lowered.code and lowered.start == 0 and lowered.stop is None
 
 
 def _message(request_id: str) -> str:
