@@ -43,12 +43,11 @@ class CachedSteps:
 
 
 def cache_view(path: str, hidden: list, residual: list) -> Any:
-    """The view the Python path's ``tracer.cache`` saves, over these steps' outputs."""
+    """The view the Python path's ``tracer.cache`` saves, over these steps' outputs
+    (host tensors, as nnsight's cache keeps them: ``Resolver`` moves them there)."""
     from nnsight.intervention.cache import Cache, CacheView, Entry
 
     cache = Cache(None, modules=[path])  # no tree, as a cache that travelled has none
     if hidden:
-        cache.entries[path] = [
-            Entry(output=(h.cpu(), r.cpu())) for h, r in zip(hidden, residual, strict=True)
-        ]
+        cache.entries[path] = [Entry(output=pair) for pair in zip(hidden, residual, strict=True)]
     return CacheView(cache, None)

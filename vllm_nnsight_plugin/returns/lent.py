@@ -29,7 +29,6 @@ from typing import Any
 
 ENV = "VLLM_NNSIGHT_LEND_SAVES"
 
-_lent_before = False
 _counts = {"pools_lent": 0, "bytes_lent": 0}
 
 
@@ -48,13 +47,12 @@ def enabled() -> bool:
 
 def lend(flat: Any) -> LentFlat | None:
     """``flat``'s IPC handle, or None when it cannot be lent (it then goes by shared memory)."""
-    global _lent_before
     if not enabled() or flat.device.type != "cuda":
         return None
     import torch
     from torch.multiprocessing.reductions import reduce_tensor
 
-    if _lent_before:
+    if _counts["pools_lent"]:
         torch.cuda.ipc_collect()  # free what the front end has let go of since
     try:
         rebuild, arguments = reduce_tensor(flat)
@@ -62,7 +60,6 @@ def lend(flat: Any) -> LentFlat | None:
         return None
     if getattr(rebuild, "__name__", "") != "rebuild_cuda_tensor":
         return None
-    _lent_before = True
     _counts["pools_lent"] += 1
     _counts["bytes_lent"] += flat.numel() * flat.element_size()
     return LentFlat(arguments, str(flat.device), os.getpid())

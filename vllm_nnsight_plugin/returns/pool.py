@@ -53,11 +53,10 @@ class Pool:
         pickling (the worker, before sending): on its GPU when ``lend`` allows
         (``lent.py``), else in shared memory (``shared.py``)."""
         from .lent import lend as lent_flat
-        from .shared import min_bytes, share
+        from .shared import large, share
 
         def away(flat: Any) -> Any:
-            large = 0 < min_bytes() <= flat.numel() * flat.element_size()
-            return (lend and large and lent_flat(flat)) or share(flat) or flat
+            return (lend and large(flat) and lent_flat(flat)) or share(flat) or flat
 
         self.flats = [away(flat) for flat in self.flats]
 

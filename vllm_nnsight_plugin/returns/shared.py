@@ -62,12 +62,17 @@ def min_bytes() -> int:
     return DEFAULT_MIN_BYTES if raw is None or not raw.strip() else int(raw)
 
 
+def large(flat: Any) -> bool:
+    """Whether ``flat`` is worth sending other than pickled (lent or shared)."""
+    threshold = min_bytes()
+    return 0 < threshold <= flat.numel() * flat.element_size()
+
+
 def share(flat: Any) -> SharedFlat | None:
     """Copy ``flat`` into a new shared-memory file; None when it stays as it is."""
-    threshold = min_bytes()
-    size = flat.numel() * flat.element_size()
-    if threshold <= 0 or size < threshold or not os.path.isdir(DIRECTORY):
+    if not large(flat) or not os.path.isdir(DIRECTORY):
         return None
+    size = flat.numel() * flat.element_size()
     _sweep()
     path = _write(flat, size)
     if path is None:

@@ -59,7 +59,11 @@ class Form:
     kept: str | None = None  # the name the kept rows are saved under
     select: Any = None  # a body read's index (an int or a slice), or None
     single: bool = False
-    cache: bool = False  # a ``tracer.cache`` of the tap (both outputs, every step)
+
+    @property
+    def cache(self) -> bool:
+        """A ``tracer.cache`` of the tap: both outputs, every step."""
+        return self.code == KEEP_BOTH
 
 
 @functools.lru_cache(maxsize=1024)
@@ -180,7 +184,7 @@ def _cached(body: list[ast.stmt]) -> Form | None:
     tap, tracer = _module_path(modules.elts[0]), call.func.value.id
     if tap is None or kept in _reads(tap, 0, None) | {tracer}:
         return None
-    return Form(tracer, 0, None, tap, None, code=KEEP_BOTH, kept=kept, cache=True)
+    return Form(tracer, 0, None, tap, None, code=KEEP_BOTH, kept=kept)
 
 
 # ---------------------------------------------------------------- parts

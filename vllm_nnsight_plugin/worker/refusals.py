@@ -16,7 +16,7 @@ where the recompute is exactly what the block did:
   added to each of those rows when it was first computed. (A loop with an end
   counts forwards, and a recompute split by chunked prefill would add one, so
   it is not trusted to end where it should.)
-- a request whose block has not started (it never ran).
+- a request whose block already ended (refused, or failed): nothing of it runs.
 
 Any other block ends its request at once with :class:`PreemptedError`, never a
 silent difference from the same request run alone.
@@ -39,17 +39,18 @@ def refuse_chunked(requests: Any, spans: list[tuple[str, int]], state_of: Any, c
         state = state_of(request_id)
         if state is None or state.num_computed_tokens + scheduled >= state.num_prompt_tokens:
             continue
-        request.error = capture(
-            ChunkedPromptError(
-                f"this request's {state.num_prompt_tokens}-token prompt was split across "
-                f"engine steps by chunked prefill ({scheduled} tokens in this step), so "
-                "its block could not see the prompt whole. Raise max_num_batched_tokens "
-                "above the prompt length, or build the engine with "
-                "enable_chunked_prefill=False."
-            )
+        _end(
+            request,
+            capture(
+                ChunkedPromptError(
+                    f"this request's {state.num_prompt_tokens}-token prompt was split across "
+                    f"engine steps by chunked prefill ({scheduled} tokens in this step), so "
+                    "its block could not see the prompt whole. Raise max_num_batched_tokens "
+                    "above the prompt length, or build the engine with "
+                    "enable_chunked_prefill=False."
+                )
+            ),
         )
-        request.mediator = None
-        request.copies = {}
 
 
 def refuse_resumed(requests: Any, tables: Any, resumed: set[str], capture: Any) -> int:
@@ -67,12 +68,18 @@ def refuse_resumed(requests: Any, tables: Any, resumed: set[str], capture: Any) 
             if taken is not None:
                 tables.release(taken[0])
         elif request.mediator is None:
-            continue  # refused or finished before it ran: nothing of it to replay
-        request.error = capture(PreemptedError(_message(request_id)))
-        request.mediator = None
-        request.copies = {}
+            continue  # already ended: nothing of it runs
+        _end(request, capture(PreemptedError(_message(request_id))))
         failed += 1
     return failed
+
+
+def _end(request: Any, error: Any) -> None:
+    """The request's block ends with ``error`` (captured) and runs no further; the
+    sampler then ends the request itself (``runtime._finish_refused``)."""
+    request.error = error
+    request.mediator = None
+    request.copies = {}
 
 
 def _replayed_exactly(lowered: Any) -> bool:
