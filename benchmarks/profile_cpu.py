@@ -15,7 +15,8 @@ Jobs (the blocks of ``gpu_bench.py``; every call gets prompts no earlier call
 used): ``sweep`` ``--sweep`` prompts x 1 token in one trace, each invoke keeping
 layer L's last row; ``forward`` one prompt, one token, saving the logits
 (latency, median of 20); ``steer`` 64 x 16 adding a vector at layer L every
-step; ``capture`` 64 x 16 keeping layer L's output every step.
+step; ``capture`` 64 x 16 keeping layer L's output every step; ``prompt_read``
+64 x 16 keeping layer L's last prompt row.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=36)
     parser.add_argument("--layer", type=int, default=18)
     parser.add_argument("--sweep", type=int, default=1024)
-    parser.add_argument("--jobs", default="sweep,forward,steer,capture")
+    parser.add_argument("--jobs", default="sweep,forward,steer,capture,prompt_read")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--taps", action="store_true", help="tap layer L, so steer and capture are lowered")
     parser.add_argument("--batch", type=int, default=64, help="requests in the steer and capture jobs")
@@ -135,6 +136,10 @@ def main() -> None:
         "forward": (lambda: blocks.trace1(model, ids(1)[0]), lambda: plain(1, 1)),
         "steer": (lambda: blocks.steer(model, ids(args.batch), 16, vector), lambda: plain(args.batch, 16)),
         "capture": (lambda: blocks.capture(model, ids(args.batch), 16), lambda: plain(args.batch, 16)),
+        "prompt_read": (
+            lambda: blocks.prompt_read(model, ids(args.batch), 16),
+            lambda: plain(args.batch, 16),
+        ),
     }
     for name in args.jobs.split(","):
         traced, untraced = jobs[name]

@@ -47,8 +47,22 @@ def smollm2_path() -> str:
 
 #: The session engine is tapped: every test that runs on it also checks that a
 #: tap passes through whatever it is not asked to steer, and the user docs'
-#: steering loop at these layers runs lowered (``taps/``).
-SESSION_TAPS = ["model.layers.10.output", "model.layers.20.output"]
+#: steering loop at these layers runs lowered (``taps/``). Beside the decoder
+#: layers, an operation inside layer 10's attention (the attention's output,
+#: before ``o_proj``) and a module that returns a tensor (layer 12's MLP).
+SESSION_TAPS = [
+    "model.layers.10.output",
+    "model.layers.20.output",
+    "model.layers.10.self_attn.source.self_attn_0.output",
+    "model.layers.12.mlp.output",
+]
+#: The sites those patterns resolve to, in model order.
+SESSION_SITES = [
+    "model.layers.10",
+    "model.layers.10.self_attn.source.self_attn_0",
+    "model.layers.12.mlp",
+    "model.layers.20",
+]
 
 
 @pytest.fixture(scope="session")

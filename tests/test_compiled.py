@@ -11,7 +11,7 @@ import pytest
 import torch
 from vllm import SamplingParams
 
-from tests.conftest import start_llm, stop_llm
+from tests.conftest import SESSION_SITES, SESSION_TAPS, start_llm, stop_llm
 from tests.test_taps import steer_as_python, steer_seeds_loop
 from tests.test_taps_keep import keep_lowered, keep_python
 from vllm_nnsight_plugin import VLLM
@@ -38,9 +38,9 @@ def steered_reads(model, vector, steps=4):
 
 @pytest.fixture(scope="module")
 def compiled(smollm2_path):
-    # Tapped at layers 10 and 20: the tests below that run as Python check that a
+    # Tapped as the session engine is: the tests below that run as Python check that a
     # tap passes every row it is not asked to steer through unchanged.
-    taps = {"nnsight_taps": ["model.layers.10.output", "model.layers.20.output"]}
+    taps = {"nnsight_taps": SESSION_TAPS}
     llm = start_llm(smollm2_path, enforce_eager=False, additional_config=taps)
     yield llm
     stop_llm(llm)
@@ -104,7 +104,7 @@ def test_a_python_step_runs_the_kernels_an_eager_engine_runs(compiled):
 # ---------------------------------------------------------------- taps
 def lowered_count(llm) -> int:
     (stats,) = llm.collective_rpc("nnsight_stats")
-    assert stats["taps"] == ["model.layers.10", "model.layers.20"]
+    assert stats["taps"] == SESSION_SITES
     return stats["lowered"]
 
 
@@ -143,6 +143,28 @@ def test_a_lowered_capture_keeps_every_step_compiled(compiled):
     assert [t.shape for t in kept] == [t.shape for t in read]
     for a, b in zip(kept, read, strict=True):  # compiled and Python steps fuse differently
         assert torch.allclose(a, b, atol=1e-3, rtol=1e-4)
+
+
+def test_an_operation_tap_is_lowered_and_every_step_stays_compiled(compiled):
+    from tests.test_taps_source import keep_lowered as keep_operations
+    from tests.test_taps_source import keep_python as keep_operations_python
+    from tests.test_taps_source import steer_lowered as steer_operation
+    from tests.test_taps_source import steer_python as steer_operation_python
+
+    model = VLLM(compiled)
+    torch.manual_seed(5)
+    vector = torch.randn(576)
+    before_lowered, before_python = lowered_count(compiled), uncompiled_steps(compiled)
+    lowered = steer_operation(model, vector)
+    attention, mlp = keep_operations(model)
+    assert lowered_count(compiled) - before_lowered == 3
+    assert uncompiled_steps(compiled) == before_python
+    python = steer_operation_python(model, vector)
+    want_attention, want_mlp = keep_operations_python(model)
+    assert list(lowered.outputs[0].token_ids) == list(python.outputs[0].token_ids)
+    for got, want in ((attention, want_attention), (mlp, want_mlp)):
+        for a, b in zip(got, want, strict=True):
+            assert torch.allclose(a, b, atol=1e-3, rtol=1e-4)
 
 
 def out_of_order(model):

@@ -14,6 +14,7 @@ from nnsight.intervention.serialization import dumps, loads
 from vllm_nnsight_plugin import VLLM
 from vllm_nnsight_plugin.client import _nnsight as client_nns
 from vllm_nnsight_plugin.returns import cached
+from vllm_nnsight_plugin.taps import source
 from vllm_nnsight_plugin.versions import SUPPORTED_NNSIGHT
 from vllm_nnsight_plugin.wire.references import envoy_references, envoys_by_reference
 from vllm_nnsight_plugin.worker import _nnsight as nns
@@ -25,7 +26,7 @@ def test_installed_nnsight_is_the_supported_one():
     assert nnsight.__version__ == SUPPORTED_NNSIGHT
 
 
-TOUCHES = nns.TOUCHES + client_nns.TOUCHES + cached.TOUCHES
+TOUCHES = nns.TOUCHES + client_nns.TOUCHES + cached.TOUCHES + source.TOUCHES
 
 
 @pytest.mark.parametrize("module, path", TOUCHES, ids=[f"{m}:{p}" for m, p in TOUCHES])

@@ -38,7 +38,7 @@ def test_patterns_resolve_in_model_order_and_refuse_what_does_not_exist():
     with pytest.raises(TapError, match="a tap is a module's output"):
         resolve(["model.layers.0.input"], NAMES)
     with pytest.raises(TapError, match="a tap is a module's output"):
-        resolve(["model.layers.0.self_attn.source.attn_0.output"], NAMES)
+        resolve(["model.layers.0.source.output"], NAMES)
     with pytest.raises(TapError, match="strings"):
         parse(["model.norm.output", 3])
 
@@ -282,7 +282,7 @@ def test_source_sees_through_the_tap_to_the_modules_own_forward():
             hidden = torch.relu(x)
             return hidden, residual
 
-    inner, chain = decorator_chain(_tapped_class(Layer).forward)
+    inner, chain = decorator_chain(_tapped_class(Layer, frozenset(), True).forward)
     assert inner is Layer.forward and len(chain) == 1
     assert compiled(inner).names == ("torch_relu_0", "hidden_0")
 
@@ -316,9 +316,10 @@ def test_the_store_hands_out_and_merges_regions():
     assert regions.free_rows() == 9 and regions.take(9) == 1
 
 
-def test_a_tap_whose_forward_may_not_return_a_tuple_takes_no_lowered_request():
+def test_a_tap_whose_forward_may_not_return_a_tuple_takes_no_output_0_block():
     tables = TapTables(("model.norm",), 4, 2, 2, "cpu", tuple_sites=frozenset(), store_size=4)
-    assert not tables.add("a", steering(0, 0, None), torch.ones(2))
+    torch.ops.vllm_nnsight.steer(torch.zeros(3, 2), tables.slots, tables.bank, 0)
+    assert not tables.means(0, whole=False) and tables.means(0, whole=True)
 
 
 # ---------------------------------------------------------------- on the engine

@@ -25,6 +25,14 @@ def keep_lowered(model, layer, steps, tokens):
     return hidden
 
 
+def keep_residual_lowered(model, layer, steps, tokens):
+    with model.trace(PROMPT, temperature=0.0, max_tokens=tokens) as tracer:
+        residual = list().save()
+        for _ in tracer.iter[:steps]:
+            residual.append(model.model.layers[layer].output[1].clone())
+    return residual
+
+
 def keep_python(model, layer, steps, tokens):
     with model.trace(PROMPT, temperature=0.0, max_tokens=tokens) as tracer:
         hidden = list().save()

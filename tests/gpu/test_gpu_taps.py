@@ -11,6 +11,7 @@ import pytest
 import torch
 from vllm import SamplingParams
 
+from tests.conftest import SESSION_SITES, SESSION_TAPS
 from tests.gpu.test_gpu import PROMPTS, cosine, start, stats
 from tests.test_taps_keep import (
     cache_lowered,
@@ -19,13 +20,14 @@ from tests.test_taps_keep import (
     first_python,
     keep_lowered,
     keep_python,
+    keep_residual_lowered,
     stream_lowered,
     stream_python,
 )
 from vllm_nnsight_plugin import VLLM
 
 pytestmark = pytest.mark.gpu
-TAPS = {"nnsight_taps": ["model.layers.10.output", "model.layers.20.output"]}
+TAPS = {"nnsight_taps": SESSION_TAPS}  # decoder layers, an attention operation, an MLP
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +59,7 @@ def steer_python(model, vectors):
 def test_an_idle_tapped_engine_generates_what_an_untapped_one_does(tapped, smollm2_path):
     params = SamplingParams(temperature=0.0, max_tokens=16)
     got = [list(o.outputs[0].token_ids) for o in tapped.generate(PROMPTS, params, use_tqdm=False)]
-    assert stats(tapped)["taps"] == ["model.layers.10", "model.layers.20"]
+    assert stats(tapped)["taps"] == SESSION_SITES
     plain = start(smollm2_path)
     try:
         want = [list(o.outputs[0].token_ids) for o in plain.generate(PROMPTS, params, use_tqdm=False)]
@@ -118,12 +120,42 @@ def test_a_lowered_cache_matches_python(tapped):
     got, got_out = cache_lowered(model, 6)
     middle = stats(tapped)
     assert middle["lowered_by"]["cache"] - before["lowered_by"]["cache"] == 1
-    assert middle["uncompiled_steps"] == before["uncompiled_steps"]
+    kept = [keep_lowered(model, 10, 6, 6), keep_residual_lowered(model, 10, 6, 6)]  # the same graphs
+    assert stats(tapped)["uncompiled_steps"] == before["uncompiled_steps"]
     want, want_out = cache_python(model, 6)
     steps, expected = got["model.model.layers.10"].output, want["model.model.layers.10"].output
     assert len(steps) == len(expected) == 6
-    for a, b in zip(steps, expected):
-        for x, y in zip(a, b):
+    for step, (a, b) in enumerate(zip(steps, expected)):
+        for part, (x, y) in enumerate(zip(a, b)):
             assert x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.shape == y.shape
-            assert cosine(x, y) >= 0.999
+            assert torch.equal(x, kept[part][step].cpu())  # exactly what the lowered keeps see
+            # against eager kernels: one layer's parts, one row a step, round apart
+            assert cosine(x, y) >= 0.995
+        assert cosine(a[0] + a[1], b[0] + b[1]) >= 0.999  # the residual stream they make
     assert got_out.outputs[0].token_ids[0] == want_out.outputs[0].token_ids[0]
+
+
+def test_lowered_operation_taps_match_python_and_stay_in_the_graphs(tapped):
+    from tests.test_taps_source import keep_lowered as keep_operations
+    from tests.test_taps_source import keep_python as keep_operations_python
+    from tests.test_taps_source import steer_lowered as steer_operation
+    from tests.test_taps_source import steer_python as steer_operation_python
+
+    model = VLLM(tapped)
+    torch.manual_seed(1)
+    unit = torch.randn(576, device="cuda")
+    vector = (8.0 * unit / unit.norm()).to(torch.bfloat16)
+    before = stats(tapped)
+    lowered = steer_operation(model, vector)
+    attention, mlp = keep_operations(model)
+    middle = stats(tapped)
+    assert middle["lowered"] - before["lowered"] == 3
+    assert middle["uncompiled_steps"] == before["uncompiled_steps"]
+    python = steer_operation_python(model, vector)
+    want_attention, want_mlp = keep_operations_python(model)
+    assert lowered.outputs[0].token_ids[0] == python.outputs[0].token_ids[0]
+    for got, want in ((attention, want_attention), (mlp, want_mlp)):
+        assert [t.shape for t in got] == [t.shape for t in want]
+        assert all(a.device.type == "cuda" and a.dtype == torch.bfloat16 for a in got)
+        assert min(cosine(a, b) for a, b in zip(got, want)) >= 0.995
+        assert cosine(torch.cat(got), torch.cat(want)) >= 0.999

@@ -170,9 +170,10 @@ class VLLM(_NNsightVLLM):
             self.vllm_entrypoint = self._given_llm
             return meta_model
         if self._taps:  # refused here, with what exists, before an engine starts
+            from ..taps.source import operations_in
             from ..taps.spec import resolve
 
-            resolve(self._taps, (name for name, _ in meta_model.named_modules()))
+            resolve(self._taps, (name for name, _ in meta_model.named_modules()), operations_in(meta_model))
         # Traced steps run as Python on any engine; eager also skips the compile
         # at start-up. Pass enforce_eager=False for graphed plain requests.
         kwargs.setdefault("enforce_eager", True)

@@ -16,11 +16,14 @@ statement; anything else, down to one more statement, runs as Python:
 
 each optionally followed by ``out = tracer.result.save()``. ``<tap>`` is a module
 path (``model.model.layers[10]``, ``[layer]`` with a captured whole number, or a
-captured node of the tree); ``<kept>`` is ``<tap>.output[0].clone()``,
-``<tap>.output[1].clone()`` or ``<tap>.output[0] + <tap>.output[1]`` (the
-residual stream, optionally ``.clone()``d); ``<vector>`` is ``+ - * /`` over
-numbers and captured names. Forms are cached per source; what the names hold is
-checked at admission (``lower.py``).
+captured node of the tree), or an operation of one
+(``model.model.layers[10].self_attn.source.self_attn_0``); ``<kept>`` is
+``<tap>.output[0].clone()``, ``<tap>.output[1].clone()`` or
+``<tap>.output[0] + <tap>.output[1]`` (the residual stream, optionally
+``.clone()``d) for a tap whose value is a tuple, and ``<tap>.output.clone()``
+for one whose value is a tensor (which steers as ``<tap>.output[:] += ...``);
+``<vector>`` is ``+ - * /`` over numbers and captured names. Forms are cached per
+source; what the names hold is checked at admission (``lower.py``).
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class Form:
     kept: str | None = None  # the name the kept rows are saved under
     select: Any = None  # a body read's index (an int or a slice), or None
     single: bool = False
+    whole: bool = False  # the block uses ``output`` itself, not ``output[0]``/``output[1]``
 
     @property
     def cache(self) -> bool:
@@ -96,14 +100,12 @@ def _steering(body: list[ast.stmt]) -> Form | None:
     if loop is None:
         return None
     tracer, start, stop, target, edit = loop
-    if not (
-        isinstance(edit, ast.AugAssign)
-        and isinstance(edit.op, ast.Add)
-        and _is_full_slice(edit.target)
-        and _output(edit.target.value) == 0
-    ):
+    if not (isinstance(edit, ast.AugAssign) and isinstance(edit.op, ast.Add) and _is_full_slice(edit.target)):
         return None
-    tap = _module_path(edit.target.value.value.value)
+    whole = _is_output(edit.target.value)
+    if not whole and _output(edit.target.value) != 0:
+        return None
+    tap = _module_path(edit.target.value.value if whole else edit.target.value.value.value)
     names = _vector_names(edit.value)
     if tap is None or names is None:
         return None
@@ -111,7 +113,7 @@ def _steering(body: list[ast.stmt]) -> Form | None:
         return None
     vector = ast.Expression(body=edit.value)
     ast.fix_missing_locations(vector)
-    return Form(tracer, start, stop, tap, None, vector=vector, names=frozenset(names))
+    return Form(tracer, start, stop, tap, None, vector=vector, names=frozenset(names), whole=whole)
 
 
 def _keeping(body: list[ast.stmt]) -> Form | None:
@@ -138,10 +140,10 @@ def _keeping(body: list[ast.stmt]) -> Form | None:
     value = _kept_value(call.args[0])
     if value is None:
         return None
-    tap, code = value
+    tap, code, whole = value
     if _reads(tap, start, stop) & {target, tracer, kept}:
         return None
-    return Form(tracer, start, stop, tap, None, code=code, kept=kept)
+    return Form(tracer, start, stop, tap, None, code=code, kept=kept, whole=whole)
 
 
 def _first_read(body: list[ast.stmt]) -> Form | None:
@@ -161,10 +163,10 @@ def _first_read(body: list[ast.stmt]) -> Form | None:
         value = None if select is None else _kept_value(node.value)
     if value is None:
         return None
-    tap, code = value
+    tap, code, whole = value
     if kept in _reads(tap, 0, 1):
         return None
-    return Form(None, 0, 1, tap, None, code=code, kept=kept, select=select, single=True)
+    return Form(None, 0, 1, tap, None, code=code, kept=kept, select=select, single=True, whole=whole)
 
 
 def _cached(body: list[ast.stmt]) -> Form | None:
@@ -247,27 +249,37 @@ def _is_clone(node: ast.expr) -> bool:
     )
 
 
-def _kept_value(node: ast.expr) -> tuple[tuple, int] | None:
-    """A new tensor holding a tap's output -> (module path, ``ops.keep`` code):
-    ``<tap>.output[i].clone()``, or the sum of its two outputs (``.clone()`` or not)."""
+def _kept_value(node: ast.expr) -> tuple[tuple, int, bool] | None:
+    """A new tensor holding a tap's output -> (module path, ``ops.keep`` code, whole):
+    ``<tap>.output[i].clone()``, ``<tap>.output.clone()``, or the sum of its two
+    outputs (``.clone()`` or not)."""
     if _is_clone(node):
         return _tap_value(node.func.value)
     value = _tap_value(node)
     return value if value is not None and value[1] == KEEP_SUM else None
 
 
-def _tap_value(node: ast.expr) -> tuple[tuple, int] | None:
-    """``<tap>.output[0]``, ``<tap>.output[1]`` or their sum -> (module path, code)."""
+def _tap_value(node: ast.expr) -> tuple[tuple, int, bool] | None:
+    """``<tap>.output[0]``, ``<tap>.output[1]``, their sum, or ``<tap>.output`` ->
+    (module path, code, whole)."""
+    if _is_output(node):
+        tap = _module_path(node.value)
+        return None if tap is None else (tap, KEEP_FIRST, True)
     if _output(node) in (0, 1):
         tap = _module_path(node.value.value)
-        return None if tap is None else (tap, KEEP_FIRST if _output(node) == 0 else KEEP_SECOND)
+        return None if tap is None else (tap, KEEP_FIRST if _output(node) == 0 else KEEP_SECOND, False)
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
         left, right = node.left, node.right
         if {_output(left), _output(right)} == {0, 1}:
             tap, other = _module_path(left.value.value), _module_path(right.value.value)
             if tap is not None and tap == other:
-                return tap, KEEP_SUM
+                return tap, KEEP_SUM, False
     return None
+
+
+def _is_output(node: ast.expr) -> bool:
+    """``<location>.output`` itself."""
+    return isinstance(node, ast.Attribute) and node.attr == "output"
 
 
 def _output(node: ast.expr) -> int | None:

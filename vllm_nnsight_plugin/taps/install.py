@@ -33,9 +33,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import ops  # noqa: F401  (registers torch.ops.vllm_nnsight)
+from . import ops, source
 from .kept import Lowered, Regions, kept_saves, store_rows
-from .spec import engine_taps, resolve
+from .spec import engine_taps, resolve, split_site
 
 logger = logging.getLogger("vllm_nnsight_plugin")
 
@@ -108,7 +108,7 @@ class TapTables:
         A steering block brings its ``vector``; a keeping block needs ``room``
         rows of the store (all its request can produce).
         """
-        if request_id in self.requests or lowered.site not in self.tuple_sites or not self.free:
+        if request_id in self.requests or not self.free:
             return False
         if lowered.code:
             base = self.regions.take(room) if room > 0 else None
@@ -130,6 +130,25 @@ class TapTables:
         self._entry_of[request_id] = entry
         self._lowered[entry] = lowered
         return True
+
+    def means(self, site: int, whole: bool) -> bool:
+        """Whether a block's reading of the tap is what the operations see there.
+
+        ``whole``: the block uses ``output`` itself (a module returning a tensor, or
+        an operation); otherwise ``output[0]``/``output[1]`` (a tuple-returning
+        forward, whose first value is the hidden state). A tensor's width is only
+        known once it has run through the tap (``ops.seen``: the engine's first
+        forward, which a GPU engine runs before it serves and an eager CPU engine
+        with its first step); until then such blocks run as Python. What ran must
+        be one row per token, as wide as the bank, in the store's dtype.
+        """
+        if whole == (site in self.tuple_sites):
+            return False
+        value = ops.seen(self.slots, site)
+        if value is None:
+            return not whole
+        shape, dtype = value
+        return len(shape) == 2 and shape[1] == self.hidden and dtype == self.store.dtype
 
     def forget(self, request_id: str) -> tuple[Lowered, int] | None:
         """Take a request off the tables: its entry and how many forwards it was in."""
@@ -239,16 +258,23 @@ def install(runner: Any, model: Any) -> TapTables | None:
     patterns = engine_taps(runner.vllm_config)
     if not patterns:
         return None
-    sites = resolve(patterns, (name for name, _ in model.named_modules()))
+    sites = resolve(patterns, (name for name, _ in model.named_modules()), source.operations_in(model))
     max_tokens, hidden, max_seqs, device = seams.tap_table_sizes(runner)
-    modules = [model.get_submodule(path) for path in sites]
-    tuples = frozenset(i for i, module in enumerate(modules) if returns_tuple(type(module)))
+    tuples = frozenset(
+        i
+        for i, site in enumerate(sites)
+        if split_site(site)[1] is None and returns_tuple(type(model.get_submodule(site)))
+    )
     tables = TapTables(
         sites, max_tokens, hidden, 2 * max_seqs + 16, device, seams.model_dtype(runner), tuples
     )
-    for site, module in enumerate(modules):
-        _tap(module, site, tables)
-    logger.info("vllm-nnsight: taps on %d module(s): %s", len(sites), ", ".join(sites))
+    by_module: dict[str, dict[str | None, int]] = {}
+    for site, name in enumerate(sites):
+        path, operation = split_site(name)
+        by_module.setdefault(path, {})[operation] = site
+    for path, sites_of in by_module.items():
+        _tap(model.get_submodule(path), sites_of, tables)
+    logger.info("vllm-nnsight: taps on %d site(s): %s", len(sites), ", ".join(sites))
     return tables
 
 
@@ -285,48 +311,74 @@ def returns_tuple(cls: type) -> bool:
     )
 
 
-def _tap(module: Any, site: int, tables: TapTables) -> None:
-    """Run the operations on the module's output.
+def _tap(module: Any, sites: dict[str | None, int], tables: TapTables) -> None:
+    """Run the operations on the module's output (site key None) and on the named
+    operations of its forward.
 
     The module's class is swapped for a subclass whose ``forward`` adds them, and
-    the site and tables are attributes of the module. Compiled code reads them
+    the sites and tables are attributes of the module. Compiled code reads them
     from there on every call, so they stay reachable when nnsight later puts its
     own callable in the module's instance ``forward`` (a closure over the
     original would not: compiled code fetches a closure's cells through the
     instance's ``forward``).
     """
-    module.__dict__[_SITE] = site
+    module.__dict__[_SITES] = dict(sites)
     module.__dict__[_TABLES] = tables
-    module.__class__ = _tapped_class(type(module))
+    operations = frozenset(name for name in sites if name is not None)
+    module.__class__ = _tapped_class(type(module), operations, None in sites)
 
 
-_SITE = "_vllm_nnsight_tap_site"
+_SITES = "_vllm_nnsight_tap_sites"
 _TABLES = "_vllm_nnsight_tap_tables"
-_TAPPED: dict[type, type] = {}
+_TAPPED: dict[tuple[type, frozenset[str], bool], type] = {}
 
 
-def _tapped_class(base: type) -> type:
-    found = _TAPPED.get(base)
+def _apply(tables: TapTables, site: int, out: Any) -> Any:
+    """The tap operations on a value: a tensor, or a tuple led by the hidden state."""
+    steer, keep = torch.ops.vllm_nnsight.steer, torch.ops.vllm_nnsight.keep
+    if isinstance(out, tuple) and len(out) >= 2:
+        hidden = steer(out[0], tables.slots, tables.bank, site)
+        keep(hidden, out[1], tables.codes, tables.dest, tables.store, site)
+        return (hidden, *out[1:])
+    if isinstance(out, tuple):
+        return (steer(out[0], tables.slots, tables.bank, site), *out[1:])
+    hidden = steer(out, tables.slots, tables.bank, site)
+    keep(hidden, hidden, tables.codes, tables.dest, tables.store, site)
+    return hidden
+
+
+class _OperationTap:
+    """What a rewritten forward calls on each tapped operation's value.
+
+    An object rather than a function: nnsight peels a forward's wrappers by the
+    functions it calls from closure cells, and this must not look like one.
+    """
+
+    def __call__(self, module: Any, operation: str, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value  # a tuple or anything else passes untouched (never lowered)
+        site = module.__dict__[_SITES].get(operation)
+        return value if site is None else _apply(module.__dict__[_TABLES], site, value)
+
+
+def _tapped_class(base: type, operations: frozenset[str], output: bool) -> type:
+    key = (base, operations, output)
+    found = _TAPPED.get(key)
     if found is not None:
         return found
+    inner = source.rewritten_forward(base, operations, _OperationTap()) if operations else base.forward
+    if not output:
+        forward = inner
+    else:
+        # Called by name from a closure cell: nnsight's ``.source`` sees through such a
+        # wrapper (it instruments ``original`` and rebuilds the wrapper around it), so a
+        # block reading a tapped module's operations finds the model's own, by the
+        # same names as on an untapped engine.
+        original = inner
 
-    # Called by name from a closure cell: nnsight's ``.source`` sees through such a
-    # wrapper (it instruments ``original`` and rebuilds the wrapper around it), so a
-    # block reading a tapped module's operations finds the model's own, by the
-    # same names as on an untapped engine.
-    original = base.forward
+        def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = original(self, *args, **kwargs)
+            return _apply(self.__dict__[_TABLES], self.__dict__[_SITES][None], out)
 
-    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-        out = original(self, *args, **kwargs)
-        tables, site = self.__dict__[_TABLES], self.__dict__[_SITE]
-        steer, keep = torch.ops.vllm_nnsight.steer, torch.ops.vllm_nnsight.keep
-        if isinstance(out, tuple) and len(out) >= 2:
-            hidden = steer(out[0], tables.slots, tables.bank, site)
-            keep(hidden, out[1], tables.codes, tables.dest, tables.store, site)
-            return (hidden, *out[1:])
-        if isinstance(out, tuple):
-            return (steer(out[0], tables.slots, tables.bank, site), *out[1:])
-        return steer(out, tables.slots, tables.bank, site)
-
-    found = _TAPPED[base] = type(base.__name__, (base,), {"forward": forward, "__module__": base.__module__})
+    found = _TAPPED[key] = type(base.__name__, (base,), {"forward": forward, "__module__": base.__module__})
     return found

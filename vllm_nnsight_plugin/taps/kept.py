@@ -70,7 +70,8 @@ def kept_saves(lowered: Lowered, store: Any, steps: int, done: int, first: int) 
     if lowered.single:
         if done == 0:
             return {}
-        return {lowered.name: store[lowered.base : lowered.base + done][lowered.select].clone()}
+        rows = store[lowered.base : lowered.base + done]
+        return {lowered.name: (rows if lowered.select is None else rows[lowered.select]).clone()}
     stop = steps if lowered.stop is None else min(steps, lowered.stop)
     lengths = [lowered.irregular.get(s, first if s == 0 else 1) for s in range(lowered.start, stop)]
     if sum(lengths) != done:  # cannot happen while the fill keeps its books

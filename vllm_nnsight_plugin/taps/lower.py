@@ -3,8 +3,11 @@
 A block's source must be one of the forms in ``forms.py``; then, at admission,
 the values it captured must pass the checks here, or it runs as Python:
 
-- the module it names is a tap whose forward returns a tuple (so ``output[0]`` is
-  the hidden state and ``output[1]`` the residual, for every call);
+- the location it names is a tap, read as the tap's value is: ``output[0]`` and
+  ``output[1]`` on a module whose forward returns a tuple (the hidden state and
+  the residual, for every call), ``output`` itself on a module that returns a
+  tensor or on an operation (``.source``), one row per token, as wide as the
+  hidden state, in the model's dtype (``TapTables.means``);
 - step bounds and indices named by variables hold whole numbers;
 - a steering vector, built only from numbers and captured tensors with
   ``+ - * /``, has the same value at every step, so it is evaluated once, here.
@@ -68,7 +71,7 @@ def lower(
     if path is None or start is None or (form.stop is not None and stop is None):
         return None
     site = tables.site_of.get(path)
-    if site is None or site not in tables.tuple_sites:
+    if site is None or not tables.means(site, form.whole):
         return None
     lowered = Lowered(site, start, stop, form.result)
     if form.code:

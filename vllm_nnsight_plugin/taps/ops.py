@@ -18,6 +18,11 @@ keeps both outputs, ``first`` at ``dest`` and ``second`` in the row after it
 Both are ``torch.library`` custom ops with fake implementations, so
 torch.compile keeps each whole (one opaque call in the graph) and a CUDA graph
 records their kernels, which read the tables' current contents at every replay.
+
+A tap whose value is not as wide as the bank (an operation of another width) is
+left as it is: ``steer`` returns a copy and ``keep`` writes nothing. ``steer``
+notes each site's width and dtype when it runs (the engine's first forwards,
+before any request), so lowering can check them (:func:`seen`).
 """
 
 from __future__ import annotations
@@ -29,9 +34,19 @@ NAMESPACE = "vllm_nnsight"
 #: What ``keep`` writes for a row, by code.
 KEEP_FIRST, KEEP_SECOND, KEEP_SUM, KEEP_BOTH = 1, 2, 3, 4
 
+_SEEN: dict[tuple[int, int], tuple[tuple[int, ...], torch.dtype]] = {}
+
+
+def seen(slots: torch.Tensor, site: int) -> tuple[tuple[int, ...], torch.dtype] | None:
+    """The shape and dtype of the value the tap at ``site`` last had, if it ran."""
+    return _SEEN.get((slots.data_ptr(), site))
+
 
 @torch.library.custom_op(f"{NAMESPACE}::steer", mutates_args=())
 def steer(hidden: torch.Tensor, slots: torch.Tensor, bank: torch.Tensor, site: int) -> torch.Tensor:
+    _SEEN[slots.data_ptr(), site] = (tuple(hidden.shape), hidden.dtype)
+    if hidden.dim() != 2 or hidden.shape[-1] != bank.shape[-1] or hidden.shape[0] > slots.shape[1]:
+        return hidden.clone()
     index = slots[site, : hidden.shape[0]]
     hit = (index >= 0).unsqueeze(-1)
     added = hidden.float() + bank.index_select(0, index.clamp(min=0).long())
@@ -53,6 +68,8 @@ def keep(
     site: int,
 ) -> None:
     rows = first.shape[0]
+    if first.dim() != 2 or first.shape[-1] != store.shape[-1] or rows > codes.shape[1]:
+        return
     code = codes[site, :rows].unsqueeze(-1)
     value = torch.where(code == KEEP_SECOND, second, first)
     value = torch.where(code == KEEP_SUM, first + second, value)

@@ -3,8 +3,10 @@
 A pattern is a module path relative to the model (the root's own ``model.`` is
 implied) ending in ``.output``, where ``*`` stands for one path segment:
 ``"model.layers.*.output"`` is every decoder layer's output, as nnsight writes it.
-Only module outputs are taps here; an input or a ``.source`` operation is refused
-with what exists instead, never ignored.
+An operation inside a module's forward is tapped as nnsight names it:
+``"model.layers.*.self_attn.source.self_attn_0.output"``. A site is the module
+path, or ``<module path>.source.<operation>``. Inputs are not taps; a pattern
+that names nothing is refused with what exists instead, never ignored.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 #: Where an engine's taps travel: vLLM's ``additional_config`` (hashed into the
@@ -51,24 +53,57 @@ def from_env() -> tuple[str, ...]:
     return parse(os.environ.get(ENV))
 
 
-def resolve(patterns: Iterable[str], module_names: Iterable[str]) -> tuple[str, ...]:
-    """The module paths the patterns name, in model order, each once."""
+def resolve(
+    patterns: Iterable[str],
+    module_names: Iterable[str],
+    operations_of: Callable[[str], list[str]] | None = None,
+) -> tuple[str, ...]:
+    """The sites the patterns name, in model order, each once.
+
+    ``operations_of(path)`` lists the operations of that module's forward (for
+    ``.source`` patterns); it may raise ``ValueError`` with the reason it cannot.
+    """
     names = [name for name in module_names if name]
     chosen: set[str] = set()
     for pattern in patterns:
         path, dot, side = pattern.rpartition(".")
-        if ".source." in pattern or not dot or side != "output":
+        module, source, operation = path.partition(".source.")
+        malformed = (source and (not operation or "." in operation)) or module.endswith(".source")
+        if not dot or side != "output" or malformed:
             raise TapError(
                 f"tap {pattern!r}: a tap is a module's output, 'model.layers.10.output' or "
-                "'model.layers.*.output' (* is one path segment); inputs and .source "
-                "operations are served by the Python path on any engine."
+                "'model.layers.*.output' (* is one path segment), or an operation of its "
+                "forward, 'model.layers.*.self_attn.source.self_attn_0.output'; inputs are "
+                "served by the Python path on any engine."
             )
-        regex = re.escape(path).replace(r"\*", r"[^.]+")
+        regex = re.escape(module).replace(r"\*", r"[^.]+")
         matched = [name for name in names if re.fullmatch(regex, name)]
         if not matched:
             raise TapError(f"tap {pattern!r} names no module of this model. {_what_exists(names)}")
-        chosen.update(matched)
-    return tuple(name for name in names if name in chosen)
+        if not source:
+            chosen.update(matched)
+            continue
+        if operations_of is None:
+            raise TapError(f"tap {pattern!r}: this engine cannot read its modules' forwards")
+        for name in matched:
+            try:
+                known = operations_of(name)
+            except ValueError as error:
+                raise TapError(f"tap {pattern!r}: {error}") from None
+            if operation not in known:
+                raise TapError(
+                    f"tap {pattern!r}: the forward of {name!r} has no operation {operation!r}. "
+                    f"Its operations: {', '.join(known)}."
+                )
+            chosen.add(f"{name}.source.{operation}")
+    order = {name: i for i, name in enumerate(names)}
+    return tuple(sorted(chosen, key=lambda site: (order[site.partition(".source.")[0]], site)))
+
+
+def split_site(site: str) -> tuple[str, str | None]:
+    """A site -> (its module's path, the operation or None for the module's output)."""
+    module, source, operation = site.partition(".source.")
+    return module, (operation if source else None)
 
 
 def _what_exists(names: list[str]) -> str:

@@ -1,0 +1,142 @@
+"""Taps on the operations inside a module's forward (``.source`` locations).
+
+nnsight names every call and every assignment in a forward (``self_attn_0`` is
+the first ``self.attn(...)``); a tap ``model.layers.*.self_attn.source.self_attn_0.output``
+puts the tap operations on that value. The forward is rewritten once per class
+and set of names: the named value passes through ``nnsight_tap(self, name, value)``,
+everything else is the forward as written. The names are nnsight's own, computed
+by its instrumenter, so a tap and a block's ``.source`` read always agree.
+
+The rewritten forward is written to a file (named by its hash, in the temporary
+directory) and compiled from it. vLLM's compile cache reads the files a compiled
+forward came from; nnsight's ``.source`` on a tapped module instruments it, tap
+included, so a block run as Python sees the model's operations by their usual
+names plus one ``nnsight_tap_N`` per tap, and the lowered requests beside it keep
+their taps on that step too.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import inspect
+import os
+import tempfile
+import textwrap
+from collections.abc import Callable
+from typing import Any
+
+#: nnsight's private names used here (checked by ``tests/test_nnsight_seams.py``).
+TOUCHES: tuple[tuple[str, str], ...] = (
+    ("nnsight.intervention.source", "Instrument"),
+    ("nnsight.intervention.source", "OP"),
+    ("nnsight.intervention.source", "BIND"),
+)
+
+TAP = "nnsight_tap"
+_SHELL = "__vllm_nnsight_shell__"
+
+
+class SourceTapError(ValueError):
+    """A ``.source`` tap on a forward that cannot be read or has no such operation."""
+
+
+def _definition(cls: type) -> tuple[ast.FunctionDef, Callable]:
+    forward = inspect.unwrap(cls.forward)
+    try:
+        text = textwrap.dedent(inspect.getsource(forward))
+        definition = ast.parse(text).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError) as error:
+        raise SourceTapError(f"{cls.__name__}.forward has no readable source") from error
+    if not isinstance(definition, ast.FunctionDef) or not definition.args.args:
+        raise SourceTapError(f"{cls.__name__}.forward is not a plain method")
+    return definition, forward
+
+
+def operations(cls: type) -> list[str]:
+    """The names nnsight gives the operations of ``cls.forward``, in order."""
+    from nnsight.intervention.source import Instrument
+
+    definition, _ = _definition(cls)
+    instrument = Instrument()
+    instrument.visit(ast.Module(body=[definition], type_ignores=[]))
+    return list(instrument.names)
+
+
+def operations_in(model: Any) -> Callable[[str], list[str]]:
+    """``path -> the operations of that module's forward`` for ``spec.resolve``."""
+    return lambda path: operations(type(model.get_submodule(path)))
+
+
+class _Restore(ast.NodeTransformer):
+    """Undo nnsight's instrumentation, routing the tapped names through the tap."""
+
+    def __init__(self, tapped: frozenset[str], receiver: str):
+        from nnsight.intervention.source import BIND, OP
+
+        self.op, self.bind = OP, BIND
+        self.tapped, self.receiver = tapped, receiver
+
+    def visit_Call(self, node: ast.Call) -> ast.AST:
+        self.generic_visit(node)
+        if not (isinstance(node.func, ast.Name) and node.func.id == self.op):
+            return node
+        label, fn, *args = node.args
+        name = label.value.removeprefix("source.")
+        if isinstance(fn, ast.Name) and fn.id == self.bind:
+            value: ast.expr = args[0]
+        else:
+            value = ast.Call(func=fn, args=args, keywords=node.keywords)
+        if name in self.tapped:
+            receiver = ast.Name(id=self.receiver, ctx=ast.Load())
+            value = ast.Call(
+                func=ast.Name(id=TAP, ctx=ast.Load()), args=[receiver, ast.Constant(name), value], keywords=[]
+            )
+        return ast.copy_location(value, node)
+
+
+def _written(text: str) -> str:
+    """A file holding ``text``, named by its hash (written once, atomically)."""
+    folder = os.path.join(tempfile.gettempdir(), "vllm-nnsight-taps")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, hashlib.sha256(text.encode()).hexdigest()[:24] + ".py")
+    if not os.path.exists(path):
+        fd, scratch = tempfile.mkstemp(dir=folder, suffix=".tmp")
+        with os.fdopen(fd, "w") as file:
+            file.write(text)
+        os.replace(scratch, path)
+    return path
+
+
+def rewritten_forward(cls: type, tapped: frozenset[str], tap: Callable[[Any, str, Any], Any]) -> Callable:
+    """``cls.forward`` with each value named in ``tapped`` passed through ``tap``."""
+    from nnsight.intervention.source import Instrument
+
+    definition, forward = _definition(cls)
+    known = operations(cls)
+    missing = sorted(tapped - set(known))
+    if missing:
+        raise SourceTapError(
+            f"{cls.__name__}.forward has no operation {', '.join(map(repr, missing))}. "
+            f"Its operations: {', '.join(known)}."
+        )
+    free = forward.__code__.co_freevars
+    if set(free) - {"__class__"}:
+        raise SourceTapError(f"{cls.__name__}.forward closes over {free}: its operations cannot be tapped")
+    definition.decorator_list = []
+    tree = ast.Module(body=[definition], type_ignores=[])
+    Instrument().visit(tree)
+    _Restore(tapped, definition.args.args[0].arg).visit(tree)
+    ast.fix_missing_locations(tree)
+    params = ", ".join([*free, TAP])
+    body = textwrap.indent(ast.unparse(definition), "    ")
+    text = f"def {_SHELL}({params}):\n{body}\n    return {definition.name}\n"
+    filename = _written(text)
+    scope: dict[str, Any] = {}
+    exec(compile(text, filename, "exec"), forward.__globals__, scope)  # noqa: S102
+    cells = {name: cell.cell_contents for name, cell in zip(free, forward.__closure__ or ())}
+    cells[TAP] = tap
+    built = scope.pop(_SHELL)(*(cells[name] for name in (*free, TAP)))
+    built.__qualname__ = forward.__qualname__
+    built.__module__ = forward.__module__
+    return built
