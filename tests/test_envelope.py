@@ -61,6 +61,15 @@ def test_size_limit_is_enforced_before_decoding():
         open_envelope(sealed, limits=Limits(max_payload_bytes=1000), **VERSIONS)
 
 
+def test_a_block_at_the_limit_passes_and_one_over_it_is_refused():
+    limits = Limits(max_payload_bytes=30_000)
+    key = "k" * 32
+    opened = open_envelope(seal(b"x" * 30_000, **VERSIONS, key=key), limits=limits, **VERSIONS)
+    assert len(base64.b64decode(opened.payload)) == 30_000
+    with pytest.raises(EnvelopeError, match="limit of 30000 bytes"):
+        open_envelope(seal(b"x" * 30_010, **VERSIONS, key=key), limits=limits, **VERSIONS)
+
+
 def test_limits_from_environment(monkeypatch):
     monkeypatch.setenv("VLLM_NNSIGHT_MAX_PAYLOAD_BYTES", "123")
     monkeypatch.setenv("VLLM_NNSIGHT_MAX_SAVE_BYTES", "456")

@@ -288,3 +288,19 @@ def test_extension_composes_with_a_users_class():
 class UserExtension:
     def user_method(self) -> str:
         return "mine"
+
+
+def test_the_meta_tree_build_skips_weight_processing_where_the_loader_calls_it():
+    """``seams.building_meta_tree`` replaces ``base_loader``'s own name for the step
+    that turns weights into kernel formats; the loader must still call it by that name."""
+    import inspect
+
+    from vllm.model_executor.model_loader import base_loader
+
+    load_model = inspect.unwrap(base_loader.BaseModelLoader.load_model)
+    assert "process_weights_after_loading" in load_model.__code__.co_names
+    original = base_loader.process_weights_after_loading
+    with seams.building_meta_tree():
+        assert base_loader.process_weights_after_loading is not original
+        base_loader.process_weights_after_loading(None, None, None)  # nothing to process
+    assert base_loader.process_weights_after_loading is original

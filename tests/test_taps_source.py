@@ -258,3 +258,15 @@ def test_a_python_source_read_beside_a_lowered_request_keeps_both(smollm2_llm, s
     with smol.trace("Paris is a city in", temperature=0.0, max_tokens=1):
         want = smol.model.layers[10].self_attn.o_proj.input.save()
     torch.testing.assert_close(read, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_forward_that_closes_over_names_is_refused_when_the_taps_are_read():
+    scale = 2.0
+
+    class Scaled(torch.nn.Module):
+        def forward(self, x):
+            return torch.relu(x) * scale
+
+    names = ["model", "model.act"]
+    with pytest.raises(TapError, match="closes over scale"):
+        resolve(["model.act.source.torch_relu_0.output"], names, lambda path: operations(Scaled))

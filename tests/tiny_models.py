@@ -64,3 +64,103 @@ def build_tiny_qwen3(folder: Path, layers: int = 3, max_positions: int = 512) ->
                 param.normal_(0.0, 0.08)
     model.save_pretrained(folder, safe_serialization=True)
     return str(folder)
+
+
+def build_tiny_qwen3_moe(folder: Path, layers: int = 2, experts: int = 4) -> str:
+    """A small Qwen3 mixture of experts: every layer's MLP is ``experts`` experts,
+    two per token, with a router (``mlp.gate``)."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    folder = Path(folder)
+    tokenizer = train_tokenizer(folder)
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=128,
+        num_experts=experts,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+    )
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config).to(torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.08)
+    model.save_pretrained(folder, safe_serialization=True)
+    return str(folder)
+
+
+def build_lora_adapter(folder: Path, base: str, rank: int = 8, alpha: int = 16) -> str:
+    """A random LoRA adapter (PEFT's layout) on ``base``'s ``q_proj`` and ``v_proj``."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = AutoConfig.from_pretrained(base)
+    widths = {
+        "q_proj": config.num_attention_heads * config.head_dim,
+        "v_proj": config.num_key_value_heads * config.head_dim,
+    }
+    generator = torch.Generator().manual_seed(7)
+    tensors = {}
+    for layer in range(config.num_hidden_layers):
+        for name, width in widths.items():
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{name}"
+            tensors[f"{prefix}.lora_A.weight"] = 0.2 * torch.randn(
+                rank, config.hidden_size, generator=generator
+            )
+            tensors[f"{prefix}.lora_B.weight"] = 0.2 * torch.randn(width, rank, generator=generator)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    adapter = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base,
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": 0.0,
+        "target_modules": sorted(widths),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+        "use_rslora": False,
+        "use_dora": False,
+    }
+    (folder / "adapter_config.json").write_text(json.dumps(adapter))
+    return str(folder)
+
+
+def merged_lora(model, adapter: str) -> None:
+    """Add an adapter's ``scale * B @ A`` into an HF model's weights, in place."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    config = json.loads((Path(adapter) / "adapter_config.json").read_text())
+    scale = config["lora_alpha"] / config["r"]
+    tensors = load_file(str(Path(adapter) / "adapter_model.safetensors"))
+    with torch.no_grad():
+        for key, a in tensors.items():
+            if not key.endswith("lora_A.weight"):
+                continue
+            b = tensors[key.replace("lora_A", "lora_B")]
+            path = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            model.get_submodule(path).weight += scale * (b @ a)

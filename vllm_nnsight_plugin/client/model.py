@@ -24,11 +24,10 @@ instead (``client/remote.py``): no engine here, no GPU.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import difflib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -155,7 +154,9 @@ class VLLM(_NNsightVLLM):
 
     # ------------------------------------------------------------------ engine
     def _load_meta(self, repo_id: str, **kwargs: Any) -> Any:
-        with _without_accelerator_calls():
+        from .. import seams
+
+        with seams.building_meta_tree():
             return super()._load_meta(repo_id, **kwargs)
 
     def _load(self, repo_id: str, **kwargs: Any) -> Any:
@@ -319,27 +320,6 @@ class VLLM(_NNsightVLLM):
         state["_given_llm"] = None
         state.pop("_vllm_nnsight_references", None)  # a cache (``wire/references.py``)
         return state
-
-
-@contextlib.contextmanager
-def _without_accelerator_calls() -> Iterator[None]:
-    """Let the meta tree build on a host with no accelerator.
-
-    vLLM's model loader empties the accelerator's cache after building a model
-    (``base_loader.py``, 0.25 and 0.32), which raises on a host that has none.
-    The meta build allocates nothing, so there is nothing to empty.
-    """
-    import torch
-
-    if torch.accelerator.current_accelerator() is not None:
-        yield
-        return
-    original = torch.accelerator.empty_cache
-    torch.accelerator.empty_cache = lambda: None
-    try:
-        yield
-    finally:
-        torch.accelerator.empty_cache = original
 
 
 def _is_llm(value: Any) -> bool:

