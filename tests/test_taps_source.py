@@ -120,6 +120,8 @@ def test_a_block_is_lowered_only_where_it_reads_the_tap_as_its_value_is():
     assert not tables.means(2, True)  # another width: Python
     wide = torch.randn(3, 6)
     assert torch.equal(ops.steer(wide, tables.slots, tables.bank, 2), wide)
+    ops.forget_seen(tables.slots)  # what new tables at this address do first
+    assert not tables.means(1, True)
 
 
 # ---------------------------------------------------------------- on the engine

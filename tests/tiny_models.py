@@ -34,74 +34,64 @@ def train_tokenizer(folder: Path, vocab_size: int = 512):
     return fast
 
 
-def build_tiny_qwen3(folder: Path, layers: int = 3, max_positions: int = 512) -> str:
-    """A small Qwen3 (hidden 128, head_dim 64: the CPU kernels need >= 64)."""
+def _random_checkpoint(folder: Path, config_class: type, model_class: type, **config) -> str:
+    """A checkpoint of ``model_class`` with the small shape every tiny model here
+    shares (hidden 128, head_dim 64: the CPU kernels need >= 64), random fp32
+    weights, and the tokenizer above."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     folder = Path(folder)
     tokenizer = train_tokenizer(folder)
-    config = Qwen3Config(
+    config = config_class(
         vocab_size=len(tokenizer),
         hidden_size=128,
         intermediate_size=256,
-        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=64,
-        max_position_embeddings=max_positions,
         tie_word_embeddings=False,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.eos_token_id,
+        **config,
     )
-    config.architectures = ["Qwen3ForCausalLM"]
+    config.architectures = [model_class.__name__]
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config).to(torch.float32)
+    model = model_class(config).to(torch.float32)
     with torch.no_grad():  # larger weights than the default init, so activations are far from zero
         for param in model.parameters():
-            if param.dim() == 2:
+            if param.dim() >= 2:
                 param.normal_(0.0, 0.08)
     model.save_pretrained(folder, safe_serialization=True)
     return str(folder)
 
 
+def build_tiny_qwen3(folder: Path, layers: int = 3, max_positions: int = 512) -> str:
+    """A small Qwen3."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return _random_checkpoint(
+        folder, Qwen3Config, Qwen3ForCausalLM, num_hidden_layers=layers, max_position_embeddings=max_positions
+    )
+
+
 def build_tiny_qwen3_moe(folder: Path, layers: int = 2, experts: int = 4) -> str:
     """A small Qwen3 mixture of experts: every layer's MLP is ``experts`` experts,
     two per token, with a router (``mlp.gate``)."""
-    import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    folder = Path(folder)
-    tokenizer = train_tokenizer(folder)
-    config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
+    return _random_checkpoint(
+        folder,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
         moe_intermediate_size=128,
         num_experts=experts,
         num_experts_per_tok=2,
         norm_topk_prob=True,
         decoder_sparse_step=1,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
         max_position_embeddings=512,
-        tie_word_embeddings=False,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.eos_token_id,
     )
-    config.architectures = ["Qwen3MoeForCausalLM"]
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(config).to(torch.float32)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, 0.08)
-    model.save_pretrained(folder, safe_serialization=True)
-    return str(folder)
 
 
 def build_lora_adapter(folder: Path, base: str, rank: int = 8, alpha: int = 16) -> str:

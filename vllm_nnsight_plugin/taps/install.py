@@ -73,6 +73,7 @@ class TapTables:
         table[:, 0].fill_(-1)
         self._table = table
         self.slots, self.codes, self.dest = (table[:, part].t() for part in range(3))
+        ops.forget_seen(self.slots)
         self.bank = torch.zeros((entries, hidden), dtype=torch.float32, device=self.device)
         rows = store_size or store_rows(hidden * dtype.itemsize, cuda)
         self.store = torch.zeros((rows, hidden), dtype=dtype, device=self.device)

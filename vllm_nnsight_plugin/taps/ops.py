@@ -42,6 +42,12 @@ def seen(slots: torch.Tensor, site: int) -> tuple[tuple[int, ...], torch.dtype] 
     return _SEEN.get((slots.data_ptr(), site))
 
 
+def forget_seen(slots: torch.Tensor) -> None:
+    """Drop what was noted under ``slots``' address (new tables may reuse an old one's)."""
+    for key in [key for key in _SEEN if key[0] == slots.data_ptr()]:
+        del _SEEN[key]
+
+
 @torch.library.custom_op(f"{NAMESPACE}::steer", mutates_args=())
 def steer(hidden: torch.Tensor, slots: torch.Tensor, bank: torch.Tensor, site: int) -> torch.Tensor:
     _SEEN[slots.data_ptr(), site] = (tuple(hidden.shape), hidden.dtype)
