@@ -120,3 +120,48 @@ def test_a_remembered_envelope_is_still_checked_against_its_signature_and_key(mo
     expiring = seal(b"block", key="k" * 40, ttl_s=60, **VERSIONS)
     admit.opened(expiring, trust.local_signature(expiring), limits)
     assert not any(key[0] == expiring for key in admit._opened)
+
+
+def test_a_signed_block_admitted_in_time_does_not_expire_while_it_waits_in_the_engine(monkeypatch):
+    """The door refuses an expired envelope; the worker runs one the front end
+    admitted (its local signature says so), however long it waited in the queue."""
+    import time
+
+    from vllm_nnsight_plugin.wire import envelope as wire
+    from vllm_nnsight_plugin.wire import trust
+    from vllm_nnsight_plugin.worker import admit
+
+    trust.ensure_local_key()
+    sealed = seal(b"queued", key="k" * 40, ttl_s=60, **VERSIONS)
+    signature = trust.local_signature(sealed)
+    later = time.time() + 3600
+    monkeypatch.setattr(wire.time, "time", lambda: later)
+    with pytest.raises(EnvelopeError, match="expired"):
+        open_envelope(sealed, **VERSIONS)
+    assert admit.opened(sealed, signature, Limits())[0] == b"queued"
+
+
+def test_a_refusal_is_small_and_echoes_nothing_of_the_input():
+    """Thousands of unknown fields, deep nesting, a non-ASCII signature: each is a
+    short EnvelopeError or UntrustedBlockError, never the input echoed back or an
+    unhandled exception."""
+    from vllm_nnsight_plugin.wire import trust
+
+    fields = {f"field{i}": "secret-value-" * 20 for i in range(5_000)}
+    document = {"v": 1, "nnsight": "0.8.1", "plugin": VERSIONS["plugin_version"], "payload": "eA==", **fields}
+    value = "nns1:" + base64.b64encode(json.dumps(document).encode()).decode()
+    with pytest.raises(EnvelopeError, match="malformed") as raised:
+        open_envelope(value, **VERSIONS)
+    assert len(str(raised.value)) < 400 and "secret-value" not in str(raised.value)
+
+    deep = "[" * 100_000 + "]" * 100_000
+    with pytest.raises(EnvelopeError, match="nests too deeply|corrupt"):
+        open_envelope("nns1:" + base64.b64encode(deep.encode()).decode(), **VERSIONS)
+
+    key = "k" * 40
+    sealed = open_envelope(seal(b"x", key=key, **VERSIONS), **VERSIONS)
+    forged = sealed.model_copy(update={"sig": "é" * 64})
+    with pytest.raises(trust.UntrustedBlockError, match="signature"):
+        trust.check_operator(forged, key, trust.NonceBook())
+    with pytest.raises(trust.UntrustedBlockError):
+        trust.check_local("nns1:abc", "é" * 64)

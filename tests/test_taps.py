@@ -352,7 +352,8 @@ def steer_as_python(model, vectors, layer=10, steps=5):
 
 
 def same_generation(got, want, exact: bool = True) -> None:
-    """Same tokens; the same log-probabilities, bit for bit or within 1e-5. Exact
+    """Same tokens; the same log-probabilities, bit for bit or within 1e-5 (then a
+    near-tie at the edge of the top-k may be kept by one side only). Exact
     only for requests traced alone: vLLM may schedule the requests of one trace
     into different batches from run to run, and a batch's shape moves the last
     bits of its arithmetic."""
@@ -366,10 +367,15 @@ def same_generation(got, want, exact: bool = True) -> None:
             if exact:
                 assert got_step == want_step, f"request {i}, step {step}"
             else:
-                assert got_step.keys() == want_step.keys(), f"request {i}, step {step}"
-                assert all(abs(got_step[t] - want_step[t]) < 1e-5 for t in got_step), (
+                shared = got_step.keys() & want_step.keys()
+                assert all(abs(got_step[t] - want_step[t]) < 1e-5 for t in shared), (
                     f"request {i}, step {step}"
                 )
+                # A token in one top-k only must be a near-tie at its edge: within the
+                # tolerance of the other's lowest kept log-probability.
+                for token in got_step.keys() ^ want_step.keys():
+                    mine, other = (got_step, want_step) if token in got_step else (want_step, got_step)
+                    assert abs(mine[token] - min(other.values())) < 1e-5, f"request {i}, step {step}"
 
 
 def test_the_seeds_steering_loop_is_lowered_and_equals_the_python_path_bit_for_bit(smollm2_llm, smol):

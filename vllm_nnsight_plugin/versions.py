@@ -42,7 +42,8 @@ def check_vllm(version: str | None = None) -> str:
         raise UnsupportedVersion(
             f"vllm-nnsight-plugin {PLUGIN_VERSION} supports vLLM "
             f"{', '.join(v + 'x' for v in SUPPORTED_VLLM)}, but vLLM {version} is installed. "
-            "Install a supported vLLM, or set VLLM_PLUGINS to leave this plugin out."
+            "Install a supported vLLM, or leave this plugin out: VLLM_NNSIGHT_DISABLE=1 "
+            "(or VLLM_PLUGINS without 'nnsight')."
         )
     return version
 

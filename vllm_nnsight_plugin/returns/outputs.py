@@ -24,7 +24,9 @@ from typing import Any
 
 
 class BlockError(RuntimeError):
-    """Raised by :func:`saves` when a request's block failed on the engine."""
+    """Raised by :func:`saves` for an output that has no saves to give: its request
+    carried no block, or has not finished. (A block that failed raises its own
+    error, as nnsight reports it.)"""
 
 
 def empty_entry() -> dict:

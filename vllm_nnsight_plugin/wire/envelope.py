@@ -140,6 +140,18 @@ def seal(
     return _PREFIX + base64.b64encode(raw.encode("utf-8")).decode("ascii")
 
 
+def _problems(error: ValidationError, shown: int = 3) -> str:
+    """A bounded account of what is wrong, naming fields but never echoing values
+    (a refusal must cost less than the request, and say nothing of its input)."""
+    problems = error.errors(include_input=False, include_url=False, include_context=False)
+    parts = []
+    for problem in problems[:shown]:
+        where = ".".join(str(part)[:40] for part in problem.get("loc", ())[:4]) or "the document"
+        parts.append(f"{where}: {problem.get('type', 'invalid')}")
+    more = f" and {len(problems) - shown} more" if len(problems) > shown else ""
+    return f"{len(problems)} problem(s): {'; '.join(parts)}{more}"
+
+
 #: Room for an envelope's fields besides the payload (versions, times, nonce,
 #: signature), JSON-encoded.
 _FIELDS_BYTES = 1024
@@ -151,11 +163,14 @@ def open_envelope(
     nnsight_version: str,
     plugin_version: str,
     limits: Limits | None = None,
+    expiry: bool = True,
 ) -> Envelope:
     """Check and decode an envelope; raise :class:`EnvelopeError` with the reason.
 
     Nothing in the payload is executed here: this only validates framing, size
-    and versions, so a refusal provably runs none of the sender's code.
+    and versions, so a refusal provably runs none of the sender's code. Expiry is
+    the door's check (``expiry=False`` in the worker, which the front end's local
+    signature tells that the request was admitted while it was valid).
     """
     limits = limits or Limits()
     if isinstance(value, bytes):
@@ -184,7 +199,9 @@ def open_envelope(
         raw = base64.b64decode(value[len(_PREFIX) :], validate=True)
         document = json.loads(raw)
     except (binascii.Error, ValueError) as error:
-        raise EnvelopeError(f"the envelope is corrupt: {error}") from None
+        raise EnvelopeError(f"the envelope is corrupt: {str(error)[:200]}") from None
+    except RecursionError:
+        raise EnvelopeError("the envelope is corrupt: it nests too deeply") from None
     if isinstance(document, dict) and document.get("v") != ENVELOPE_VERSION:
         raise EnvelopeError(
             f"the envelope is format version {document.get('v')!r} (client plugin "
@@ -195,14 +212,14 @@ def open_envelope(
     try:
         envelope = Envelope.model_validate(document)
     except ValidationError as error:
-        raise EnvelopeError(f"the envelope is malformed: {error}") from None
+        raise EnvelopeError(f"the envelope is malformed: {_problems(error)}") from None
     if envelope.nnsight != nnsight_version:
         raise EnvelopeError(
             f"the block was written with nnsight {envelope.nnsight} but this engine runs "
             f"nnsight {nnsight_version}; nnsight can only read blocks from its own "
             f"version. Install nnsight=={nnsight_version} on the client."
         )
-    if envelope.expires is not None and envelope.expires < time.time():
+    if expiry and envelope.expires is not None and envelope.expires < time.time():
         raise EnvelopeExpired("the envelope has expired; build the request again.")
     if len(envelope.payload) > limits.max_payload_bytes * 4 // 3 + 4:
         raise EnvelopeTooLarge(

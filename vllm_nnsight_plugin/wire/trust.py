@@ -137,13 +137,21 @@ def _hmac(key: str, envelope: str) -> str:
 def check_local(envelope: object, signature: object) -> None:
     """Raise :class:`UntrustedBlockError` unless ``signature`` is the local one."""
     expected = local_signature(envelope) if isinstance(envelope, str) else None
-    if expected is None or not isinstance(signature, str) or not hmac.compare_digest(expected, signature):
+    if expected is None or not _same(expected, signature):
         raise UntrustedBlockError(
             "this engine runs a block only when it was built in the engine's own "
             "process (the vllm_nnsight_plugin client) or admitted by the server's "
             "nnsight door with the operator's key; this one was neither, so none of "
             "it was run."
         )
+
+
+def _same(expected: str, given: object) -> bool:
+    """A constant-time comparison that any string can take part in (``compare_digest``
+    refuses non-ASCII ``str``; a signature from the network may be anything)."""
+    if not isinstance(given, str):
+        return False
+    return hmac.compare_digest(expected.encode(), given.encode("utf-8", "surrogatepass"))
 
 
 def operator_key(value: str | None = None) -> str | None:
@@ -193,7 +201,8 @@ def check_operator(envelope: Envelope, key: str, nonces: NonceBook, now: float |
     if len(key) < MIN_KEY_CHARS:
         raise UntrustedBlockError(
             f"the server's operator key is shorter than {MIN_KEY_CHARS} characters, so "
-            "it accepts no blocks (operator: set a longer VLLM_NNSIGHT_KEY, e.g. "
+            "it accepts no blocks (operator: set a longer VLLM_NNSIGHT_KEY or "
+            "VLLM_NNSIGHT_KEY_FILE, e.g. "
             "`python -c 'import secrets; print(secrets.token_hex(32))'`)."
         )
     if envelope.sig is None:
@@ -201,7 +210,7 @@ def check_operator(envelope: Envelope, key: str, nonces: NonceBook, now: float |
             "the block is not signed. This server runs blocks signed with its operator "
             "key only: pass key=... to the client or set VLLM_NNSIGHT_KEY where it runs."
         )
-    if not hmac.compare_digest(operator_signature(envelope, key), envelope.sig):
+    if not _same(operator_signature(envelope, key), envelope.sig):
         raise UntrustedBlockError(
             "the block's signature does not match this server's operator key (a wrong "
             "key, or the envelope was changed on the way)."

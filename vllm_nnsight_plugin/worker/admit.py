@@ -70,8 +70,10 @@ def opened(value: Any, signature: Any, limits: Limits) -> tuple[bytes, bytes]:
         if found is not None:
             return found  # the same checks passed on these very strings
     check_local(value, signature)
+    # Admitted by the front end while valid: time spent queued in the engine does
+    # not expire it.
     envelope = open_envelope(
-        value, nnsight_version=SUPPORTED_NNSIGHT, plugin_version=PLUGIN_VERSION, limits=limits
+        value, nnsight_version=SUPPORTED_NNSIGHT, plugin_version=PLUGIN_VERSION, limits=limits, expiry=False
     )
     block = envelope.block_bytes()
     found = block, hashlib.blake2b(block, digest_size=32).digest()

@@ -69,7 +69,8 @@ class WorkerRuntime:
         # On a compiled engine, a step that runs a block runs its forward as Python
         # (module hooks fire there and nowhere else); every other step keeps the
         # engine's CUDA graphs and compiled code.
-        self.eager_steps = os.environ.get(_EAGER_STEPS_ENV, "1").strip().lower() not in _FALSY
+        # Unset or empty: on (an empty value is how a shell unsets it for a child).
+        self.eager_steps = (os.environ.get(_EAGER_STEPS_ENV) or "1").strip().lower() not in _FALSY
         self.python_steps = 0
         self.resumed = self.preempted = 0  # requests resumed after a preemption; blocks it ended
         self.kernels: Any = None  # the eager kernels for a compiled engine's Python steps
