@@ -7,8 +7,8 @@ and set of names: the named value passes through ``nnsight_tap(self, name, value
 everything else is the forward as written. The names are nnsight's own, computed
 by its instrumenter, so a tap and a block's ``.source`` read always agree.
 
-The rewritten forward is written to a file (named by its hash, in the temporary
-directory) and compiled from it. vLLM's compile cache reads the files a compiled
+The rewritten forward is written to a file (named by its hash, in the user's
+cache folder) and compiled from it. vLLM's compile cache reads the files a compiled
 forward came from; nnsight's ``.source`` on a tapped module instruments it, tap
 included, so a block run as Python sees the model's operations by their usual
 names plus one ``nnsight_tap_N`` per tap, and the lowered requests beside it keep
@@ -101,16 +101,25 @@ class _Restore(ast.NodeTransformer):
 
 
 def _written(text: str) -> str:
-    """A file holding ``text``, named by its hash (written once, atomically)."""
-    folder = os.path.join(tempfile.gettempdir(), "vllm-nnsight-taps")
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, hashlib.sha256(text.encode()).hexdigest()[:24] + ".py")
-    if not os.path.exists(path):
-        fd, scratch = tempfile.mkstemp(dir=folder, suffix=".tmp")
-        with os.fdopen(fd, "w") as file:
-            file.write(text)
-        os.replace(scratch, path)
-    return path
+    """A file holding ``text``, named by its hash, in the user's own cache folder
+    (``VLLM_NNSIGHT_CACHE``; a stable path, so vLLM's compile cache still hits
+    after a restart). nnsight reads a forward's source back from this file, so a
+    file already there is used only if it holds exactly ``text``."""
+    from ..models.smollm2 import cache_root
+
+    folder = cache_root() / "taps"
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = folder / (hashlib.sha256(text.encode()).hexdigest()[:24] + ".py")
+    try:
+        if path.read_text() == text:
+            return str(path)
+    except OSError:
+        pass
+    fd, scratch = tempfile.mkstemp(dir=folder, suffix=".tmp")
+    with os.fdopen(fd, "w") as file:
+        file.write(text)
+    os.replace(scratch, path)
+    return str(path)
 
 
 def rewritten_forward(cls: type, tapped: frozenset[str], tap: Callable[[Any, str, Any], Any]) -> Callable:
