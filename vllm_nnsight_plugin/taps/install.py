@@ -25,9 +25,7 @@ requests.
 from __future__ import annotations
 
 import ast
-import inspect
 import logging
-import textwrap
 from typing import Any
 
 import numpy as np
@@ -287,11 +285,8 @@ def returns_tuple(cls: type) -> bool:
     certain is False, and blocks on that tap run as Python.
     """
     try:
-        source = textwrap.dedent(inspect.getsource(inspect.unwrap(cls.forward)))
-        function = ast.parse(source).body[0]
-    except (OSError, TypeError, SyntaxError, IndexError):
-        return False
-    if not isinstance(function, ast.FunctionDef):
+        function = source.forward_definition(cls)
+    except source.SourceTapError:
         return False
     returns: list[ast.Return] = []
 

@@ -41,14 +41,23 @@ class SourceTapError(ValueError):
     """A ``.source`` tap on a forward that cannot be read or has no such operation."""
 
 
-def _definition(cls: type) -> tuple[ast.FunctionDef, Callable]:
-    forward = inspect.unwrap(cls.forward)
+def forward_definition(cls: type) -> ast.FunctionDef:
+    """The parsed ``def`` of ``cls.forward``, or :class:`SourceTapError`."""
     try:
-        text = textwrap.dedent(inspect.getsource(forward))
+        text = textwrap.dedent(inspect.getsource(inspect.unwrap(cls.forward)))
         definition = ast.parse(text).body[0]
     except (OSError, TypeError, SyntaxError, IndexError) as error:
         raise SourceTapError(f"{cls.__name__}.forward has no readable source") from error
-    if not isinstance(definition, ast.FunctionDef) or not definition.args.args:
+    if not isinstance(definition, ast.FunctionDef):
+        raise SourceTapError(f"{cls.__name__}.forward is not a plain method")
+    return definition
+
+
+def _definition(cls: type) -> tuple[ast.FunctionDef, Callable]:
+    """The ``def`` of a forward whose operations can be tapped, and the function."""
+    forward = inspect.unwrap(cls.forward)
+    definition = forward_definition(cls)
+    if not definition.args.args:
         raise SourceTapError(f"{cls.__name__}.forward is not a plain method")
     free = set(forward.__code__.co_freevars) - {"__class__"}
     if free:
