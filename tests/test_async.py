@@ -122,3 +122,47 @@ def test_two_traced_requests_may_not_share_an_id(async_model, run):
     done, again = run(main())
     assert vllm_nnsight_plugin.saves(done)["hidden"].shape[0] == 5
     assert vllm_nnsight_plugin.saves(again)["hidden"].shape[0] == 5
+
+
+def test_edits_on_the_async_engine(async_model, run, smol):
+    import nnsight
+
+    from vllm_nnsight_plugin.edits import EditError
+
+    engine = async_model.vllm_entrypoint
+
+    async def main():
+        with pytest.raises(EditError, match="async with"):
+            with async_model.edit() as (tracer, refused):
+                nnsight.save(True)
+        async with async_model.edit(name="probe") as (tracer, probe):
+            hidden = async_model.model.layers[5].output[0][-1].clone().save()  # noqa: F841
+        async with async_model.edit() as (tracer, always):
+            seen = nnsight.save(True)  # noqa: F841
+        unnamed = await async_model.generate(PROMPTS[:2], temperature=0.0, max_tokens=2, edits=[])
+        both = await async_model.generate(PROMPTS[0], temperature=0.0, max_tokens=2, edits=["probe"])
+        with async_model.trace(PROMPTS[1], temperature=0.0, max_tokens=2, edits=["probe"]) as tracer:
+            result = tracer.result.save()  # noqa: F841
+        streamed = [output async for output in tracer.backend]
+        # A stock stream of a plain request, with no nnsight in sight: its last output.
+        stock = [o async for o in engine.generate(PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=2), "plain-1")]
+        await probe.aclear()
+        after_probe = await async_model.generate(PROMPTS[0], temperature=0.0, max_tokens=2)
+        await async_model.aclear_edits()
+        after_all = await async_model.generate(PROMPTS[0], temperature=0.0, max_tokens=2)
+        tracked = await engine.collective_rpc("nnsight_tracked")
+        return unnamed, both, streamed, stock, after_probe, after_all, tracked
+
+    from vllm import SamplingParams
+
+    unnamed, both, streamed, stock, after_probe, after_all, tracked = run(main())
+    assert [sorted(o.saves) for o in unnamed] == [["seen"], ["seen"]]
+    assert [sorted(o.saves) for o in both] == [["hidden", "seen"]]
+    with smol.trace(PROMPTS[0], temperature=0.0, max_tokens=2):
+        want = smol.model.layers[5].output[0][-1].clone().save()
+    torch.testing.assert_close(both[0].saves["hidden"], want, rtol=1e-4, atol=1e-4)
+    assert streamed[-1].finished and sorted(streamed[-1].saves) == ["hidden", "result", "seen"]
+    assert sorted(stock[-1].saves) == ["hidden", "seen"]
+    assert sorted(after_probe[0].saves) == ["seen"]
+    assert not hasattr(after_all[0], "saves") and async_model.installed_edits() == {}
+    assert tracked == [0]

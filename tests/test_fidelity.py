@@ -1,7 +1,8 @@
 """Every location of the user docs' table, and the logits, equal HF transformers on
 the same fp32 weights within 1e-4 relative error: one prompt, eight mixed-length
-prompts batched in one trace, and the same prompt traced twice with prefix
-caching on. Real SmolLM2 weights and a tiny random Qwen3."""
+prompts batched in one trace, the same prompt traced twice with prefix
+caching on, and an installed edit's reads on plain requests. Real SmolLM2
+weights and a tiny random Qwen3."""
 
 from __future__ import annotations
 
@@ -51,9 +52,34 @@ def read_locations(model, prompts: list[str], layer: int) -> list[dict]:
     return [{name: values[name][i] for name in LOCATIONS} for i in range(len(prompts))]
 
 
-def check(model, hf, prompts: list[str], layer: int, label: str) -> None:
+def edited_locations(model, prompts: list[str], layer: int) -> list[dict]:
+    """The same reads as an installed edit, on plain requests (one batch)."""
+    with model.edit() as (tracer, edit):
+        layer_module = model.model.layers[layer]
+        embeddings = model.model.embed_tokens.output.clone().save()  # noqa: F841
+        resid_before = layer_module.input_layernorm.output[1].clone().save()  # noqa: F841
+        qkv_fused = layer_module.self_attn.qkv_proj.output[0].clone().save()  # noqa: F841
+        kernel_args = layer_module.self_attn.attn.inputs[0]
+        attn_q = kernel_args[0].clone().save()  # noqa: F841
+        attn_k = kernel_args[1].clone().save()  # noqa: F841
+        attn_v = kernel_args[2].clone().save()  # noqa: F841
+        o_proj_in = layer_module.self_attn.o_proj.input.clone().save()  # noqa: F841
+        attn_out = layer_module.self_attn.output.clone().save()  # noqa: F841
+        mlp_act = layer_module.mlp.act_fn.output.clone().save()  # noqa: F841
+        mlp_out = layer_module.mlp.output.clone().save()  # noqa: F841
+        resid_after = (layer_module.output[0] + layer_module.output[1]).save()  # noqa: F841
+        final_norm = model.model.norm.output[0].clone().save()  # noqa: F841
+        logits = model.logits.clone().save()  # noqa: F841
+    try:
+        outputs = model.generate(prompts, temperature=0.0, max_tokens=1)
+    finally:
+        edit.clear()
+    return [{name: output.saves[name] for name in LOCATIONS} for output in outputs]
+
+
+def check(model, hf, prompts: list[str], layer: int, label: str, read=read_locations) -> None:
     tokenizer = model.tokenizer
-    got = read_locations(model, prompts, layer)
+    got = read(model, prompts, layer)
     worst: dict[str, float] = {}
     for prompt, values in zip(prompts, got):
         ids = tokenizer(prompt)["input_ids"]
@@ -87,6 +113,10 @@ def test_smollm2_prefix_cached_prompt_traced_twice(smol, smol_hf):
     check(smol, smol_hf, [long_prompt], 10, "smollm2/cached-2")
 
 
+def test_smollm2_an_installed_edit_reads_what_hf_computes(smol, smol_hf):
+    check(smol, smol_hf, PROMPTS, 10, "smollm2/edit", read=edited_locations)
+
+
 @pytest.fixture(scope="module")
 def qwen3(tiny_qwen3_path):
     from vllm_nnsight_plugin import VLLM
@@ -102,3 +132,4 @@ def test_tiny_qwen3_one_and_eight_prompts(qwen3):
     check(model, hf, PROMPTS, 1, "qwen3/eight")
     check(model, hf, PROMPTS[4:5], 1, "qwen3/cached-1")
     check(model, hf, PROMPTS[4:5], 1, "qwen3/cached-2")
+    check(model, hf, PROMPTS, 1, "qwen3/edit", read=edited_locations)

@@ -13,6 +13,7 @@ from nnsight.intervention.serialization import dumps, loads
 
 from vllm_nnsight_plugin import VLLM
 from vllm_nnsight_plugin.client import _nnsight as client_nns
+from vllm_nnsight_plugin.client import edits as client_edits
 from vllm_nnsight_plugin.returns import cached
 from vllm_nnsight_plugin.taps import source
 from vllm_nnsight_plugin.versions import SUPPORTED_NNSIGHT
@@ -26,7 +27,7 @@ def test_installed_nnsight_is_the_supported_one():
     assert nnsight.__version__ == SUPPORTED_NNSIGHT
 
 
-TOUCHES = nns.TOUCHES + client_nns.TOUCHES + cached.TOUCHES + source.TOUCHES
+TOUCHES = nns.TOUCHES + client_nns.TOUCHES + client_edits.TOUCHES + cached.TOUCHES + source.TOUCHES
 
 
 @pytest.mark.parametrize("module, path", TOUCHES, ids=[f"{m}:{p}" for m, p in TOUCHES])

@@ -1,8 +1,11 @@
 """Preemption: an engine whose KV cache holds fewer tokens than its running
 requests need, so vLLM's scheduler preempts a request and later recomputes it
-in one step. A plain request gives way before a traced one; a block that ran
-before its preemption ends its request with a clear error; a lowered steering
-block from the first step continues, exactly."""
+(in chunks: the step budget is smaller than a recompute).
+A plain request gives way before a traced one; a block that only reads goes on
+through the recompute, seeing the rows an ordinary step gives, and its request
+makes the tokens it makes alone; a block that writes ends its request with a
+clear error; a lowered steering block from the first step continues, exactly;
+an installed edit that reads goes on too."""
 
 from __future__ import annotations
 
@@ -29,6 +32,9 @@ def small_kv(smollm2_path):
         block_size=32,  # the CPU attention backend takes multiples of 32
         max_model_len=160,
         max_num_seqs=4,
+        # A step budget under the longest recompute: a recompute is then split into
+        # chunks, whose samples vLLM throws away but the last one's.
+        max_num_batched_tokens=48,
         enable_prefix_caching=False,
         additional_config={"nnsight_taps": ["model.layers.10.output"]},
     )
@@ -46,7 +52,23 @@ def read_blocks(model, prompts):
         for prompt in prompts:
             with tracer.invoke(prompt):
                 rows = list().save()
+                shapes = list().save()
                 for _ in tracer.iter[:TOKENS]:
+                    hidden = model.model.layers[3].output[0]
+                    shapes.append(tuple(hidden.shape))
+                    rows.append(hidden[-1].clone())
+    return tracer.prepared
+
+
+def write_blocks(model, prompts):
+    """Blocks that write at a layer with no tap (so they run as Python): a write
+    that changes nothing, which a recompute could still not be trusted to replay."""
+    with model.requests(temperature=0.0, max_tokens=TOKENS, ignore_eos=True) as tracer:
+        for prompt in prompts:
+            with tracer.invoke(prompt):
+                rows = list().save()
+                for _ in tracer.iter[:TOKENS]:
+                    model.model.layers[3].output[0][:] *= 1.0
                     rows.append(model.model.layers[3].output[0][-1].clone())
     return tracer.prepared
 
@@ -85,9 +107,35 @@ def test_the_scheduler_preempts_a_plain_request_before_a_traced_one(small_kv):
     assert after["tracked"] == 0
 
 
-def test_a_block_that_ran_before_a_preemption_ends_with_a_clear_error(small_kv):
+def prompt_rows(llm, prompt) -> int:
+    return len(llm.get_tokenizer().encode(prompt))
+
+
+def test_a_reading_block_goes_on_through_a_recompute_as_if_alone(small_kv):
     model = VLLM(small_kv)
     prepared = read_blocks(model, PROMPTS)  # every request traced: one must give way
+    before = stats(small_kv)
+    outputs = small_kv.generate(prepared.prompts, prepared.params, use_tqdm=False)
+    after = stats(small_kv)
+    assert after["resumed"] > before["resumed"]  # the scheduler did preempt
+    assert after["continued_blocks"] - before["continued_blocks"] >= 1
+    assert after["recompute_chunks_sat_out"] > before["recompute_chunks_sat_out"]  # a chunked recompute
+    assert after["preempted_blocks"] == before["preempted_blocks"]
+    for output, prompt in zip(outputs, PROMPTS):
+        saves = vllm_nnsight_plugin.saves(output)
+        # The whole prompt on the first step, then one row a step, each step once.
+        assert saves["shapes"] == [(prompt_rows(small_kv, prompt), 576)] + [(1, 576)] * (TOKENS - 1)
+        assert list(output.outputs[0].token_ids) == alone(small_kv, prompt)
+        alone_prepared = read_blocks(model, [prompt])
+        want = small_kv.generate(alone_prepared.prompts, alone_prepared.params, use_tqdm=False)[0]
+        got, expected = torch.stack(saves["rows"]), torch.stack(vllm_nnsight_plugin.saves(want)["rows"])
+        assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4), (got - expected).abs().max()
+    assert stats(small_kv)["tracked"] == 0
+
+
+def test_a_block_that_writes_ends_with_a_clear_error_when_preempted(small_kv):
+    model = VLLM(small_kv)
+    prepared = write_blocks(model, PROMPTS)
     before = stats(small_kv)
     outputs = small_kv.generate(prepared.prompts, prepared.params, use_tqdm=False)
     after = stats(small_kv)
@@ -123,3 +171,22 @@ def test_lowered_steering_from_the_first_step_continues_through_a_preemption(sma
         want = small_kv.generate(alone_prepared.prompts, alone_prepared.params, use_tqdm=False)[0]
         assert list(output.outputs[0].token_ids) == list(want.outputs[0].token_ids)
         assert list(output.outputs[0].token_ids) != alone(small_kv, prompt)
+
+
+def test_an_installed_edit_that_reads_goes_on_through_a_recompute(small_kv):
+    model = VLLM(small_kv)
+    with model.edit() as (tracer, edit):
+        rows = list().save()
+        for _ in tracer.iter[:TOKENS]:
+            rows.append(model.model.layers[3].output[0][-1].clone())
+    try:
+        before = stats(small_kv)
+        outputs = small_kv.generate(PROMPTS, PLAIN, use_tqdm=False)  # plain requests, each edited
+        after = stats(small_kv)
+    finally:
+        edit.clear()
+    assert after["resumed"] > before["resumed"] and after["continued_blocks"] > before["continued_blocks"]
+    for output, prompt in zip(outputs, PROMPTS):
+        assert len(vllm_nnsight_plugin.saves(output)["rows"]) == TOKENS
+        assert list(output.outputs[0].token_ids) == alone(small_kv, prompt)
+    assert stats(small_kv)["tracked"] == 0 and stats(small_kv)["edits"] == 0

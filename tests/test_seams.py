@@ -34,10 +34,11 @@ def test_seam_exists_with_the_expected_signature(seam):
     import importlib
 
     if not seam.applies():
-        return  # another platform's runner (the CPU one, on a GPU build)
+        return  # another platform's runner (the CPU one, on a GPU build), or another release's
 
-    cls = getattr(importlib.import_module(seam.module), seam.owner)
-    function = inspect.unwrap(getattr(cls, seam.name))
+    module = importlib.import_module(seam.module)
+    owner = getattr(module, seam.owner) if seam.owner else module
+    function = inspect.unwrap(getattr(owner, seam.name))
     params = list(inspect.signature(function).parameters)
     assert tuple(params[: len(seam.leading)]) == seam.leading, f"{seam.label} now takes {params}"
 
@@ -63,8 +64,11 @@ def test_the_declared_seams_are_exactly_the_wraps_made():
         "register()\n"
         "seams.worker.patch_model_runner(*[lambda *args: None] * 4)\n"
         "owners = {(s.module, s.owner) for s in seams.SEAMS if s.applies()}\n"
-        "made = {f'{owner}.{name}' for module, owner in owners\n"
-        "        for name, value in vars(getattr(importlib.import_module(module), owner)).items()\n"
+        "def owner_of(module, owner):\n"
+        "    found = importlib.import_module(module)\n"
+        "    return getattr(found, owner) if owner else found\n"
+        "made = {f'{owner or module}.{name}' for module, owner in owners\n"
+        "        for name, value in vars(owner_of(module, owner)).items()\n"
         "        if getattr(value, '_vllm_nnsight_wrapped', False)}\n"
         "declared = {s.label for s in seams.SEAMS if s.applies()}\n"
         "assert made == declared, (sorted(made - declared), sorted(declared - made))\n"
@@ -304,3 +308,20 @@ def test_the_meta_tree_build_skips_weight_processing_where_the_loader_calls_it()
         assert base_loader.process_weights_after_loading is not original
         base_loader.process_weights_after_loading(None, None, None)  # nothing to process
     assert base_loader.process_weights_after_loading is original
+
+
+def test_reads_the_edits_and_the_resume_rely_on():
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.llm_engine import LLMEngine
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    # The front end's book of installed edits lives on the engine's input processor.
+    for engine in (LLMEngine, AsyncLLM):
+        assert "self.input_processor = InputProcessor(" in inspect.getsource(engine.__init__)
+    # A recompute's chunks whose sample vLLM throws away, known before the forward.
+    source = inspect.getsource(GPUModelRunner._prepare_inputs)
+    assert "self.discard_request_mask.np[:num_reqs] = (" in source
+    # The OpenAI server's handlers reach the engine through ``engine_client``.
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+
+    assert "self.engine_client.generate(" in inspect.getsource(OpenAIServingCompletion)

@@ -9,12 +9,14 @@ switched off: the reference for plain outputs.
 
 from __future__ import annotations
 
+import json
 import pickle
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import nnsight
 import pytest
 import torch
 
@@ -115,6 +117,29 @@ def test_blocks_are_off_until_the_operator_sets_a_key(served, client, tmp_path):
     with pytest.raises(Exception, match="403 NNsightBlocksDisabled"):
         with client.trace(PROMPT, temperature=0.0, serve=served.url, key=KEY):
             client.logits.save()
+    assert_still_serving(served)
+
+
+def edit_install(server, body: bytes, header: str | None) -> httpx.Response:
+    headers = {"content-type": "application/json"}
+    if header is not None:
+        headers["x-nnsight-signature"] = header
+    return httpx.post(f"{server.url}/v1/nnsight/edits", content=body, headers=headers, timeout=60)
+
+
+def test_edit_routes_are_off_until_the_operator_sets_a_key(served, client, tmp_path):
+    from vllm_nnsight_plugin import ServeError
+    from vllm_nnsight_plugin.wire.edits import sign_command
+
+    body = json.dumps({"block": canary_envelope(tmp_path / "c")}).encode()
+    response = edit_install(served, body, sign_command(KEY, "POST", "/v1/nnsight/edits", body))
+    assert response.status_code == 403 and response.json()["error"]["type"] == "NNsightBlocksDisabled"
+    with pytest.raises(ServeError, match="403 NNsightBlocksDisabled"):
+        with client.edit(serve=served.url, key=KEY) as (tracer, edit):
+            client.logits.save()
+    with pytest.raises(ServeError, match="403"):
+        client.installed_edits(serve=served.url, key=KEY)
+    assert not (tmp_path / "c").exists()
     assert_still_serving(served)
 
 
@@ -263,7 +288,7 @@ def test_openai_client_completions_chat_streams_n_and_stop(armed, client):
     entries = both.model_extra["nnsight"]["requests"]
     assert len(entries) == 2 and len(both.choices) == 4
     for entry, rows in zip(entries, (5, 3)):
-        saves, sequences = decode_request(entry)
+        saves, sequences, _, _ = decode_request(entry)
         assert len(sequences) == 2
         assert [tuple(s["hidden"].shape) for s in sequences] == [(rows, 576)] * 2
 
@@ -326,6 +351,117 @@ def test_a_client_that_disconnects_leaves_nothing_behind(armed, client):
     deadline = time.monotonic() + 30
     while tracked(armed) and time.monotonic() < deadline:
         time.sleep(0.5)
+    assert tracked(armed) == 0
+    assert_still_serving(armed)
+
+
+def test_edits_over_http_run_on_every_request(armed, client, smol):
+    """Installed by the client with the operator's key; chosen with edits=[...];
+    their saves on every response, for the project's client, the openai client
+    (streaming too) and raw HTTP, requests that carried no block included."""
+    import openai
+
+    from vllm_nnsight_plugin import ServeError
+
+    with client.edit(serve=armed.url, key=KEY, name="probe") as (tracer, probe):
+        hidden = client.model.layers[5].output[0][-1].clone().save()  # noqa: F841
+    with client.edit(serve=armed.url, key=KEY) as (tracer, always):
+        seen = nnsight.save(True)  # noqa: F841
+    assert client.installed_edits(serve=armed.url, key=KEY) == {probe.id: "probe", always.id: None}
+    try:
+        for edits, names in ((None, ["hidden", "seen"]), (["probe"], ["hidden", "seen"]), ([], ["seen"])):
+            kw = {} if edits is None else {"edits": edits}
+            with client.trace(PROMPT, temperature=0.0, max_tokens=2, serve=armed.url, key=KEY, **kw) as tracer:
+                mine = client.logits.argmax(-1).save()
+                result = tracer.result.save()
+            assert sorted(result.saves) == names and client.tokenizer.decode(mine) == " Paris"
+        with smol.trace(PROMPT, temperature=0.0, max_tokens=2):
+            want = smol.model.layers[5].output[0][-1].clone().save()
+        torch.testing.assert_close(result.saves.get("hidden", want), want, rtol=1e-4, atol=1e-4)
+
+        api = openai.OpenAI(base_url=f"{armed.url}/v1", api_key="unused")
+        name = model_name(armed)
+        plain = api.completions.create(model=name, prompt=PROMPT, max_tokens=3, temperature=0.0)
+        assert plain.choices[0].text.startswith(" Paris")
+        decoded = decode_request(plain.model_extra["nnsight"]["requests"][0])
+        assert decoded.saves == {} and sorted(decoded.edits) == ["hidden", "seen"]
+        torch.testing.assert_close(decoded.edits["hidden"], want, rtol=1e-4, atol=1e-4)
+        chosen = complete(armed, vllm_xargs={"nnsight_edits": "[]"})
+        (entry,) = chosen.json()["nnsight"]["requests"]
+        assert sorted(decode_request(entry).edits) == ["seen"]
+        as_list = complete(armed, vllm_xargs={"nnsight_edits": ["probe"]})
+        assert sorted(decode_request(as_list.json()["nnsight"]["requests"][0]).edits) == ["hidden", "seen"]
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        chunks = list(
+            api.chat.completions.create(model=name, messages=messages, max_tokens=3, temperature=0.0, stream=True)
+        )
+        (entry,) = chunks[-1].model_extra["nnsight"]["requests"]
+        assert sorted(decode_request(entry).edits) == ["hidden", "seen"]
+
+        unknown = complete(armed, vllm_xargs={"nnsight_edits": '["nope"]'})
+        assert unknown.status_code == 400 and "no edit is installed under that name" in unknown.text
+        with pytest.raises(ServeError, match="400"):
+            with client.trace(PROMPT, max_tokens=1, serve=armed.url, key=KEY, edits=["nope"]):
+                client.logits.save()
+
+        with client.edit(serve=armed.url, key=KEY, name="broken") as (tracer, broken):
+            client.model.layers[3].output[0][99].save()
+        failed = complete(armed, vllm_xargs={"nnsight_edits": '["broken"]'})
+        assert failed.status_code == 422 and failed.json()["error"]["type"] == "NNsightBlockError"
+        assert "IndexError" in failed.json()["error"]["message"]
+        broken.clear()
+        probe.clear()
+        assert client.installed_edits(serve=armed.url, key=KEY) == {always.id: None}
+    finally:
+        client.clear_edits(serve=armed.url, key=KEY)
+    assert client.installed_edits(serve=armed.url, key=KEY) == {}
+    cleared = complete(armed)
+    assert cleared.status_code == 200 and "nnsight" not in cleared.json()
+    assert tracked(armed) == 0
+
+
+def test_edit_routes_refuse_what_is_not_signed_right_and_run_nothing(armed, tmp_path):
+    from vllm_nnsight_plugin.wire.edits import sign_command
+
+    route = "/v1/nnsight/edits"
+
+    def body(name: str, envelope: str | None = None) -> bytes:
+        return json.dumps({"block": envelope or canary_envelope(tmp_path / name)}).encode()
+
+    signed_request = body("g", canary_envelope(tmp_path / "g", key=KEY))  # a block's own signature
+    replayed = body("h", "nns1:!!!")  # refused after the signature is checked, the first time
+    replay_header = sign_command(KEY, "POST", route, replayed)
+    assert edit_install(armed, replayed, replay_header).status_code == 400
+    cases = {
+        "unsigned": (body("a"), None, 403),
+        "wrong key": (body("b"), sign_command("x" * 64, "POST", route, body("b")), 403),
+        "expired": (body("c"), sign_command(KEY, "POST", route, body("c"), ttl_s=-1), 403),
+        "another body": (body("d"), sign_command(KEY, "POST", route, b"{}"), 403),
+        "another route": (body("e"), sign_command(KEY, "POST", route + "/x", body("e")), 403),
+        "another method": (body("f"), sign_command(KEY, "DELETE", route, body("f")), 403),
+        "a block's signature only": (signed_request, None, 403),
+        "malformed header": (body("j"), "v1:garbage", 403),
+    }
+    cases["replayed"] = (replayed, replay_header, 403)
+    for name, (content, header, status) in cases.items():
+        response = edit_install(armed, content, header)
+        assert response.status_code == status, (name, response.text)
+        assert response.json()["error"]["type"] == "NNsightUntrustedBlock", name
+    corrupt = body("k", "nns1:!!!")
+    response = edit_install(armed, corrupt, sign_command(KEY, "POST", route, corrupt))
+    assert response.status_code == 400 and response.json()["error"]["type"] == "NNsightBadEnvelope"
+    huge = json.dumps({"block": "nns1:" + "A" * (4 * MAX_PAYLOAD_BYTES)}).encode()
+    response = edit_install(armed, huge, sign_command(KEY, "POST", route, huge))
+    assert response.status_code == 413
+    gone = httpx.delete(
+        f"{armed.url}{route}/edit-none",
+        headers={"x-nnsight-signature": sign_command(KEY, "DELETE", f"{route}/edit-none")},
+    )
+    assert gone.status_code == 404
+    listed = httpx.get(f"{armed.url}{route}", headers={"x-nnsight-signature": sign_command(KEY, "GET", route)})
+    assert listed.status_code == 200
+    for opened in tmp_path.iterdir():
+        pytest.fail(f"a refused edit's payload was decoded ({opened.name})")
     assert tracked(armed) == 0
     assert_still_serving(armed)
 

@@ -19,7 +19,8 @@ Ways to build one::
     VLLM(llm)                      # wraps an LLM or AsyncLLM you already built
 
 and ``model.trace(..., serve="http://host:8000")`` runs a trace on a server
-instead (``client/remote.py``): no engine here, no GPU.
+instead (``client/remote.py``): no engine here, no GPU. ``model.edit()``
+installs a block on the engine for every request (``client/edits.py``).
 """
 
 from __future__ import annotations
@@ -36,10 +37,12 @@ from nnsight.modeling.vllm.vllm import VLLM as _NNsightVLLM
 from nnsight.tracing.backend import Backend
 
 from ..versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT, check_nnsight
+from ..wire.edits import EDITS_KEY, encode_choice
 from ..wire.envelope import EXTRA_ARGS_KEY, seal
 from ..wire.references import envoys_by_reference
 from ..wire.trust import VOUCHED_KEY, Vouched, operator_key
 from ._nnsight import one_pickle_per_block, reattach_caches, reduce_once
+from .edits import Edits
 
 #: The key to sign blocks with while requests for a server are being built (a
 #: context variable: traces may be built on several threads or tasks at once).
@@ -59,8 +62,18 @@ class PreparedRequests:
 
     @property
     def vllm_xargs(self) -> list[dict]:
-        """Per request, the ``vllm_xargs`` that carry its block to a server."""
-        return [{EXTRA_ARGS_KEY: param.extra_args[EXTRA_ARGS_KEY]} for param in self.params]
+        """Per request, the ``vllm_xargs`` that carry its block (and its choice of
+        installed edits) to a server."""
+        return [served_xargs(param.extra_args) for param in self.params]
+
+
+def served_xargs(extra: dict) -> dict:
+    """What of a request's ``extra_args`` travels to a server as ``vllm_xargs``: the
+    block, and a choice of edits as a JSON string (vLLM 0.25 takes no lists there)."""
+    xargs = {EXTRA_ARGS_KEY: extra[EXTRA_ARGS_KEY]} if EXTRA_ARGS_KEY in extra else {}
+    if extra.get(EDITS_KEY) is not None:
+        xargs[EDITS_KEY] = encode_choice(extra[EDITS_KEY])
+    return xargs
 
 
 def _key_spelling(key: str | None, kwargs: dict) -> str | None:
@@ -120,8 +133,9 @@ def _seal_params(params: list, count: int, server_key: str | None = None) -> Non
         extra[EXTRA_ARGS_KEY], extra[VOUCHED_KEY] = kept[1], kept[2]
 
 
-class VLLM(_NNsightVLLM):
-    """nnsight on a stock vLLM engine; see the module docstring."""
+class VLLM(Edits, _NNsightVLLM):
+    """nnsight on a stock vLLM engine; see the module docstring. ``model.edit()``
+    and the other edit methods are :class:`~.edits.Edits`'."""
 
     def __init__(self, model: Any, *args: Any, mode: str = "sync", **kwargs: Any) -> None:
         check_nnsight()
@@ -309,12 +323,6 @@ class VLLM(_NNsightVLLM):
         tracer.prepared = prepared
         return tracer
 
-    def edit(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(
-            "model.edit() (blocks installed on the engine for every request) is not "
-            "available yet; put the block in each model.trace(...) instead."
-        )
-
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         state["_given_llm"] = None
@@ -369,7 +377,7 @@ class _AsyncBackend(AsyncVLLMBackend):
     async def _attach_saves(self, output: Any) -> None:
         from nnsight.intervention.errors import raise_deferred
 
-        output.saves = dict(getattr(output, "nnsight_saves", {}))
+        output.saves = {**getattr(output, "nnsight_edit_saves", {}), **getattr(output, "nnsight_saves", {})}
         reattach_caches(output.saves, self.model)
         raise_deferred(getattr(output, "nnsight_error", None))
 

@@ -15,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..wire.envelope import EXTRA_ARGS_KEY
 from ..wire.saves import RESPONSE_FIELD, decode_request
 
 #: ``SamplingParams`` fields that ``/v1/completions`` accepts under the same name.
@@ -63,12 +62,15 @@ class ServedOutput:
     text: list[str] = field(default_factory=list)
     nnsight_saves: dict = field(default_factory=dict)
     nnsight_sequences: list = field(default_factory=list)
+    nnsight_edit_saves: dict = field(default_factory=dict)
+    nnsight_edit_sequences: list = field(default_factory=list)
     nnsight_error: dict | None = None
     finished: bool = True
 
     @property
     def saves(self) -> dict:
-        return self.nnsight_saves
+        """The installed edits' saves and the block's (the block's win a shared name)."""
+        return {**self.nnsight_edit_saves, **self.nnsight_saves}
 
 
 def prompt_field(prompt: Any) -> str | list[int]:
@@ -138,12 +140,13 @@ class Server:
             return list(pool.map(self._send, bodies))
 
     def body(self, prompt: Any, params: Any) -> dict:
-        extra = params.extra_args or {}
+        from .model import served_xargs
+
         return {
             "model": self.model_name(),
             "prompt": prompt_field(prompt),
             **sampling_fields(params),
-            "vllm_xargs": {EXTRA_ARGS_KEY: extra[EXTRA_ARGS_KEY]},
+            "vllm_xargs": served_xargs(params.extra_args or {}),
         }
 
     def _send(self, body: dict) -> ServedOutput:
@@ -161,12 +164,14 @@ class Server:
                 "the response carries no nnsight saves: is vllm-nnsight-plugin installed "
                 "on the server, and the same version as here?",
             )
-        saves, sequences = decode_request(entries[0])
+        decoded = decode_request(entries[0])
         return ServedOutput(
             request_id=entries[0].get("request_id", ""),
             text=[choice.get("text", "") for choice in document.get("choices", [])],
-            nnsight_saves=saves,
-            nnsight_sequences=sequences,
+            nnsight_saves=decoded.saves,
+            nnsight_sequences=decoded.sequences,
+            nnsight_edit_saves=decoded.edits,
+            nnsight_edit_sequences=decoded.edit_sequences,
             nnsight_error=entries[0].get("error"),
         )
 

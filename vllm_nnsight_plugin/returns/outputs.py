@@ -1,13 +1,19 @@
 """The return path: a finished request's saves, onto its ``RequestOutput``.
 
 The worker answers ``nnsight_collect`` with, per request, the names its block
-saved, its deferred error (with the block's own traceback), and per-sequence
-values when ``n > 1``. This module puts those on the output (the shape nnsight's
-own collect reads), so a stock ``LLM`` user reads:
+saved, those the installed edits it ran saved, its deferred error (with the
+block's own traceback), and per-sequence values when ``n > 1``. This module puts
+those on the output (the shape nnsight's own collect reads), so a stock ``LLM``
+user reads:
 
-- ``output.saves``: a dict of every saved name;
-- ``output.outputs[i].saves``: the same, per sampled sequence;
-- ``output.nnsight_error``: the block's error, or None.
+- ``output.saves``: a dict of every saved name, the edits' and the block's (the
+  block's win a name both saved);
+- ``output.nnsight_saves`` and ``output.nnsight_edit_saves``: the block's alone,
+  and the edits' alone;
+- ``output.outputs[i].saves``: the same as ``output.saves``, per sampled sequence;
+- ``output.nnsight_error``: the block's (or an edit's) error, or None.
+
+An output whose request carried no block and ran no edit gets none of these.
 
 :func:`saves` reads them and re-raises a failed block's error in the caller,
 which is what the ``VLLM`` client does for a trace.
@@ -30,8 +36,9 @@ class BlockError(RuntimeError):
 
 
 def empty_entry() -> dict:
-    """One request's reply from the workers, before anything is in it."""
-    return {"saves": {}, "error": None, "sequences": {}}
+    """One request's reply from the workers, before anything is in it (``edits`` and
+    ``edit_sequences``: what the installed edits saved, front end only)."""
+    return {"saves": {}, "error": None, "sequences": {}, "edits": {}, "edit_sequences": {}}
 
 
 def merge_replies(replies: list) -> dict:
@@ -65,30 +72,38 @@ def _merge(loaded: list, pools: dict) -> dict:
         for request_id, entry in part.items():
             resolve = Resolver(pools, entry)  # the request's tensors, in storage of its own
             into = merged.setdefault(request_id, empty_entry())
-            for name, value in (entry.get("saves") or {}).items():
-                if name not in into["saves"]:
-                    into["saves"][name] = resolve(value)
+            _first_copy(into["saves"], entry.get("saves"), resolve)
+            _first_copy(into["edits"], entry.get("registered"), resolve)
             for index, sequence in (entry.get("sequences") or {}).items():
-                kept = into["sequences"].setdefault(index, {})
-                for name, value in (sequence.get("saves") or {}).items():
-                    if name not in kept:
-                        kept[name] = resolve(value)
+                _first_copy(into["sequences"].setdefault(index, {}), sequence.get("saves"), resolve)
+                _first_copy(into["edit_sequences"].setdefault(index, {}), sequence.get("registered"), resolve)
             if into["error"] is None:
                 into["error"] = entry.get("error")
     return merged
 
 
+def _first_copy(into: dict, saves: dict | None, resolve: Any) -> None:
+    """Add one rank's saved values to a merged dict (the first rank's copy wins)."""
+    for name, value in (saves or {}).items():
+        if name not in into:
+            into[name] = resolve(value)
+
+
 def attach(output: Any, entry: dict) -> None:
     """One request's saves onto its output: per request, and per sampled sequence."""
-    output.saves = dict(entry["saves"])
+    edits = entry.get("edits") or {}
+    output.saves = {**edits, **entry["saves"]}
     output.nnsight_saves = entry["saves"]
+    output.nnsight_edit_saves = edits
     output.nnsight_error = entry["error"]
     sequences = entry["sequences"]
+    edit_sequences = entry.get("edit_sequences") or {}
     for completion in getattr(output, "outputs", None) or ():
-        sequence = sequences.get(getattr(completion, "index", 0))
-        if sequence is not None:
-            completion.saves = dict(sequence)
+        index = getattr(completion, "index", 0)
+        if index in sequences or index in edit_sequences:
+            completion.saves = {**edit_sequences.get(index, {}), **sequences.get(index, {})}
     output.nnsight_sequences = [sequences[index] for index in sorted(sequences)]
+    output.nnsight_edit_sequences = [edit_sequences[index] for index in sorted(edit_sequences)]
 
 
 def attach_collected(outputs: list, replies: list) -> None:
@@ -204,16 +219,22 @@ async def traced_stream(
     request_id: str,
     on_finished: Callable[[Any], None] | None = None,
     in_flight: set | None = None,
+    collected: Callable[[], bool] | None = None,
 ) -> AsyncIterator[Any]:
-    """vLLM's output stream for a traced request, with saves on the finished output."""
+    """vLLM's output stream for a traced request, with saves on the finished output.
+
+    ``collected`` (for a request without a block) says at the end whether there is
+    anything to collect: whether it ran installed edits.
+    """
     finished = False
     try:
         async for output in stream:
             if output.finished:
                 finished = True
-                await collect_async(engine, output)
-                if on_finished is not None:
-                    on_finished(output)
+                if collected is None or collected():
+                    await collect_async(engine, output)
+                    if on_finished is not None:
+                        on_finished(output)
             yield output
     finally:
         if in_flight is not None:

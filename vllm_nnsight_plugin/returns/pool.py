@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .cached import CachedSteps, cache_view
-from .stacked import Stacked, entry_values, poolable
+from .stacked import SAVE_KEYS, Stacked, entry_values, poolable
 
 #: The front end copies a shared pool back to its GPU a window at a time: one
 #: transfer serves the requests side by side in it (each then copied into its own
@@ -166,7 +166,7 @@ class Pooler:
         A tensor in ``shared`` (see :func:`shared_tensors`) stays as it is."""
         taken: dict[int, Any] = {}
         by_tensor: dict[int, Pooled] = {}
-        by_dict: dict[int, dict] = {}
+        by_dict: dict[int, tuple[dict, dict]] = {}  # by the source dict, held
 
         def ref(tensor: Any) -> Pooled:
             found = by_tensor.get(id(tensor))
@@ -188,13 +188,14 @@ class Pooler:
         def swap_saves(saves: dict) -> dict:
             done = by_dict.get(id(saves))
             if done is None:
-                done = by_dict[id(saves)] = {name: swap_value(value) for name, value in saves.items()}
-            return done
+                done = by_dict[id(saves)] = (saves, {name: swap_value(v) for name, v in saves.items()})
+            return done[1]
 
         swapped = dict(entry)
-        swapped["saves"] = swap_saves(entry.get("saves") or {})
+        for key in SAVE_KEYS:
+            swapped[key] = swap_saves(entry.get(key) or {})
         swapped["sequences"] = {
-            index: {**sequence, "saves": swap_saves(sequence.get("saves") or {})}
+            index: {**sequence, **{key: swap_saves(sequence.get(key) or {}) for key in SAVE_KEYS}}
             for index, sequence in (entry.get("sequences") or {}).items()
         }
         return swapped, taken

@@ -123,7 +123,7 @@ def shared_tensors(entry: dict) -> set[int] | None:
         return set()  # nothing would be stacked or pooled: no need to look
     counter = _TensorCounter()
     try:
-        counter.dump({"saves": entry.get("saves"), "sequences": entry.get("sequences")})
+        counter.dump({key: entry.get(key) for key in ("saves", "registered", "sequences")})
     except Exception:
         return None
     shared = {found for found, count in counter.counts.items() if count > 1}
@@ -142,23 +142,33 @@ def stack_saves(saves: dict, shared: set[int] = frozenset()) -> dict:
     }
 
 
-def stack_entry(entry: dict, shared: set[int] = frozenset()) -> dict:
-    """One request's reply (``saves`` and per-sequence ``sequences``), stacked.
+#: The dicts of saved values in one reply entry, flat and per sequence: the
+#: block's own, and those of the installed edits the request ran.
+SAVE_KEYS = ("saves", "registered")
 
-    The flat ``saves`` are sequence 0's own dict in nnsight's reply; they stay
-    one object here too.
+
+def stack_entry(entry: dict, shared: set[int] = frozenset()) -> dict:
+    """One request's reply (``saves``, ``registered`` and per-sequence
+    ``sequences``), stacked.
+
+    The flat dicts are sequence 0's own in nnsight's reply; they stay one object
+    here too.
     """
+    done: dict[int, tuple[dict, dict]] = {}  # by the source dict, held while in use
+
+    def once(saves: dict) -> dict:
+        found = done.get(id(saves))
+        if found is None:
+            found = done[id(saves)] = (saves, stack_saves(saves, shared))
+        return found[1]
+
     stacked = dict(entry)
-    flat = entry.get("saves") or {}
-    sequences = {}
-    for index, sequence in (entry.get("sequences") or {}).items():
-        saves = sequence.get("saves") or {}
-        sequences[index] = {**sequence, "saves": stack_saves(saves, shared)}
-        if saves is flat:
-            stacked["saves"] = sequences[index]["saves"]
-    stacked["sequences"] = sequences
-    if stacked.get("saves") is flat:
-        stacked["saves"] = stack_saves(flat, shared)
+    for key in SAVE_KEYS:
+        stacked[key] = once(entry.get(key) or {})
+    stacked["sequences"] = {
+        index: {**sequence, **{key: once(sequence.get(key) or {}) for key in SAVE_KEYS}}
+        for index, sequence in (entry.get("sequences") or {}).items()
+    }
     return stacked
 
 
@@ -179,7 +189,8 @@ def poolable(value: Any) -> bool:
 
 def entry_values(entry: dict) -> list:
     """Every saved value of one reply entry, flat and per sequence."""
-    found = list((entry.get("saves") or {}).values())
+    found = [value for key in SAVE_KEYS for value in (entry.get(key) or {}).values()]
     for sequence in (entry.get("sequences") or {}).values():
-        found.extend((sequence.get("saves") or {}).values())
+        for key in SAVE_KEYS:
+            found.extend((sequence.get(key) or {}).values())
     return found

@@ -29,20 +29,24 @@ Front end (the process that owns ``LLM``; ``frontend.py``):
   per-step layout the worker reads.
 - ``InputProcessor.process_inputs``: every request passes here in the front end,
   so this is where a block is refused unless this process vouched for it, and
-  where the workers' signature is issued (``wire/trust.py``). A request carrying
-  a block must also be computed whole and must not leave edited KV under the
-  plain prompt's block hashes, so it skips prefix-cache reads and gets a cache
-  salt of its own.
+  where the workers' signature is issued (``wire/trust.py``); where a request's
+  choice of installed edits is checked and the request marked for the edits it
+  runs (``edits.py``). A request carrying a block or running an edit must also
+  be computed whole and must not leave edited KV under the plain prompt's block
+  hashes, so it skips prefix-cache reads and gets a cache salt of its own.
 - ``LLMEngine.add_request`` / ``LLMEngine.step`` / ``LLMEngine.abort_request``
   (offline ``LLM``) and
-  ``AsyncLLM.generate``: when a request with a block finishes, its saves are
-  fetched from the workers with one ``collective_rpc`` and put on the
-  ``RequestOutput``. The front end is the one place where the finished output
+  ``AsyncLLM.generate``: when a request with a block (or one marked for edits)
+  finishes, its saves are fetched from the workers with one ``collective_rpc``
+  and put on the ``RequestOutput``. The front end is the one place where the finished output
   exists, so ``tracer.result`` is served with vLLM's own object.
 - ``OpenAIServingCompletion.create_completion`` and
   ``OpenAIServingChat.create_chat_completion`` (the OpenAI server): the one
   door for blocks from the network. ``server/gate.py`` decides before vLLM sees
   the request; ``server/responses.py`` puts the saves on the response.
+- ``build_app`` (a module function; where it lives moved between 0.25 and 0.32):
+  the operator's routes for installed edits (``server/edits.py``) are added to
+  the server's app.
 
 Engine core (the process that schedules; ``engine.py``):
 
@@ -67,8 +71,10 @@ Worker (each process that runs the model; ``worker.py``):
 - Reads, each a small function in ``worker.py``: the scheduler output's new,
   scheduled and finished requests; the runner's model, sampler, tokenizer,
   persistent batch (``StepLayout``) and per-request state; the sampler output's
-  token ids; what the tap tables are sized by, and whether a new request's whole
-  prompt is in its first step.
+  token ids; what the tap tables are sized by, whether a new request's whole
+  prompt is in its first step, and which rows' samples vLLM throws away (a
+  recompute's chunks before its last, ``discarded_rows``). The front end reads
+  each engine's ``input_processor``, which holds the book of installed edits.
 """
 
 from __future__ import annotations
@@ -105,8 +111,10 @@ def _wrap(owner: type, name: str, make: Callable[[Callable], Callable]) -> None:
     """Replace ``owner.name`` with ``make(original)`` once per process."""
     original = owner.__dict__.get(name)
     if original is None:
+        where = getattr(owner, "__qualname__", None)
+        where = f"{owner.__module__}.{where}" if where else owner.__name__
         raise AttributeError(
-            f"vllm-nnsight-plugin: {owner.__module__}.{owner.__qualname__}.{name} is gone; "
+            f"vllm-nnsight-plugin: {where}.{name} is gone; "
             "this vLLM release moved a seam the plugin relies on."
         )
     if getattr(original, _MARK, False):
@@ -144,11 +152,12 @@ WORKER = "worker"
 
 @dataclass(frozen=True)
 class Seam:
-    """One vLLM method the plugin wraps.
+    """One vLLM method (or module-level function) the plugin wraps.
 
-    ``module`` is where vLLM defines the class ``owner``; ``leading`` the names its
-    method ``name`` must still start its parameters with (the wrap passes them by
-    position); ``process`` the process the wrap is made in: :data:`FRONT_END`,
+    ``module`` is where vLLM defines the class ``owner`` (empty: ``name`` is a
+    function of the module itself); ``leading`` the names its method ``name``
+    must still start its parameters with (the wrap passes them by position);
+    ``process`` the process the wrap is made in: :data:`FRONT_END`,
     :data:`ENGINE_CORE` or :data:`WORKER`.
     """
 
@@ -159,9 +168,16 @@ class Seam:
     process: str
     #: Made only on this platform (``"cpu"``: the CPU runner overrides the method).
     platform: str | None = None
+    #: Made only on this vLLM release line (where the function lives there).
+    vllm: str | None = None
 
     def applies(self) -> bool:
-        """Whether this seam is made on the platform this process runs on."""
+        """Whether this seam is made on the platform and vLLM this process runs."""
+        if self.vllm is not None:
+            from ..versions import vllm_version
+
+            if not vllm_version().startswith(self.vllm):
+                return False
         if self.platform is None:
             return True
         from vllm.platforms import current_platform
@@ -170,7 +186,7 @@ class Seam:
 
     @property
     def label(self) -> str:
-        return f"{self.owner}.{self.name}"
+        return f"{self.owner or self.module}.{self.name}"
 
 
 #: Every wrap the plugin makes, and nothing else.
@@ -213,6 +229,24 @@ SEAMS: tuple[Seam, ...] = (
         ("self", "request"),
         FRONT_END,
     ),
+    # The OpenAI server's app, where the edit routes are added: the function its
+    # server calls by its module-global name (0.32 moved it).
+    Seam(
+        "vllm.entrypoints.launchers.api_server.entry",
+        "",
+        "build_app",
+        ("args", "supported_tasks"),
+        FRONT_END,
+        vllm="0.32.",
+    ),
+    Seam(
+        "vllm.entrypoints.openai.api_server",
+        "",
+        "build_app",
+        ("args", "supported_tasks"),
+        FRONT_END,
+        vllm="0.25.",
+    ),
     Seam("vllm.v1.core.sched.scheduler", "Scheduler", "add_request", ("self", "request"), ENGINE_CORE),
     Seam("vllm.v1.core.sched.scheduler", "Scheduler", "schedule", ("self",), ENGINE_CORE),
     Seam(
@@ -246,6 +280,7 @@ from .frontend import _sign_vouched as _sign_vouched  # noqa: E402
 from .frontend import (  # noqa: E402
     building_meta_tree,
     patch_async_llm,
+    patch_build_app,
     patch_engine_args,
     patch_input_processor,
     patch_llm_engine,
@@ -258,6 +293,7 @@ from .worker import (  # noqa: E402
     GRAPH_MODES,
     UNCOMPILED_STEP,
     StepLayout,
+    discarded_rows,
     engine_is_eager,
     eos_token_id,
     finished_ids,
@@ -297,6 +333,12 @@ INSTALLERS: dict[str, Callable[[], None]] = {
     "vllm.v1.core.sched.scheduler": patch_scheduler,
     "vllm.entrypoints.openai.completion.serving": patch_openai_completion,
     "vllm.entrypoints.openai.chat_completion.serving": patch_openai_chat,
+    "vllm.entrypoints.launchers.api_server.entry": functools.partial(
+        patch_build_app, "vllm.entrypoints.launchers.api_server.entry"
+    ),
+    "vllm.entrypoints.openai.api_server": functools.partial(
+        patch_build_app, "vllm.entrypoints.openai.api_server"
+    ),
 }
 
 __all__ = [
@@ -316,6 +358,7 @@ __all__ = [
     "carries_block",
     "composed_name",
     "composed_user",
+    "discarded_rows",
     "eager_kernels",
     "engine",
     "engine_is_eager",
@@ -333,6 +376,7 @@ __all__ = [
     "new_params",
     "new_requests",
     "patch_async_llm",
+    "patch_build_app",
     "patch_engine_args",
     "patch_input_processor",
     "patch_llm_engine",

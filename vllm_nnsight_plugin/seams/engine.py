@@ -83,7 +83,7 @@ def _traced_first(scheduler: Any) -> None:
     """Order the running requests with blocks first, so that when the KV cache runs
     out, vLLM's first-come-first-served scheduler preempts a plain request (it takes
     the last running one), which it recomputes exactly, before a traced one, whose
-    block a recompute could not replay (``worker/refusals.py``). Among plain
+    block a recompute could not replay if it wrote (``worker/resume.py``). Among plain
     requests, and among traced ones, the order stays as it was. A scheduler with
     priorities chooses by priority and is left to it."""
     traced = scheduler.__dict__.get("_nnsight_traced")

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..wire.envelope import EXTRA_ARGS_KEY
+from ..wire.trust import MARK_KEY
 from . import _wrap, carries_block, extension_for
 
 #: Per engine config this process built (by id, checked by a weak reference, as
@@ -83,6 +84,7 @@ def _taps_into_config(engine_args: Any) -> None:
 def patch_input_processor() -> None:
     from vllm.v1.engine.input_processor import InputProcessor
 
+    from ..edits import installed_on
     from ..wire.trust import touches_trust
 
     def make(original: Callable) -> Callable:
@@ -90,22 +92,27 @@ def patch_input_processor() -> None:
             self: Any, request_id: str, prompt: Any, params: Any, *args: Any, **kwargs: Any
         ) -> Any:
             extra = getattr(params, "extra_args", None)
-            if not touches_trust(extra):
+            if not touches_trust(extra) and not installed_on(self):
                 return original(self, request_id, prompt, params, *args, **kwargs)
+            given = params
             # The caller's extra_args (a dict the OpenAI server shares between a
             # request's prompts) stay as they were: the engine gets a dict of its
             # own on a shallow copy, which vLLM's own process_inputs then clones as
             # it does every request's params (deep unless skip_clone is set).
             params = copy.copy(params)
-            params.extra_args = dict(extra)
+            params.extra_args = dict(extra or {})
             _sign_vouched(self, params.extra_args)
-            if EXTRA_ARGS_KEY not in params.extra_args:
+            edited = _mark_edits(self, request_id, params)
+            if EXTRA_ARGS_KEY not in params.extra_args and not edited:
+                # Runs no edit, carries no block: as the caller sent it (less any
+                # trust key it should not have sent).
+                params = given if extra is None else params
                 return original(self, request_id, prompt, params, *args, **kwargs)
             # Cached prompt rows are never recomputed, so hooks would not see them.
             params.skip_reading_prefix_cache = True
             request = original(self, request_id, prompt, params, *args, **kwargs)
-            # A salt of its own keeps an edited request's KV blocks out of reach of
-            # every other request (skip_reading_prefix_cache only stops reads).
+            # A salt of its own keeps a traced or edited request's KV blocks out of
+            # reach of every other request (skip_reading_prefix_cache only stops reads).
             salt = f"vllm-nnsight:{request_id}"
             request.cache_salt = f"{request.cache_salt}|{salt}" if request.cache_salt else salt
             return request
@@ -129,6 +136,27 @@ def _refused(message: str) -> Exception:
     return _refused_class()(message)
 
 
+def _mark_edits(processor: Any, request_id: str, params: Any) -> bool:
+    """Choose the installed edits this request runs and mark it for them (signed,
+    for the workers; booked, for the collect); whether it runs any. A choice that
+    is malformed or names nothing installed is refused here, as a bad request."""
+    from ..edits import book_of, edits_to_run
+    from ..wire.edits import EditChoiceError, mark
+
+    try:
+        run = edits_to_run(processor, params.extra_args)
+    except EditChoiceError as error:
+        raise _refused(str(error)) from None
+    if not run or not hasattr(params, "skip_reading_prefix_cache"):  # edits run on generation only
+        return False
+    signed = mark(run)
+    if signed is None:
+        return False
+    params.extra_args[MARK_KEY] = signed
+    book_of(processor).mark(request_id)
+    return True
+
+
 def _sign_vouched(processor: Any, extra: dict) -> None:
     """Issue the worker's signature for a vouched block; refuse any other block.
 
@@ -141,6 +169,7 @@ def _sign_vouched(processor: Any, extra: dict) -> None:
 
     vouched = extra.pop(VOUCHED_KEY, None)
     extra.pop(LOCAL_SIGNATURE_KEY, None)
+    extra.pop(MARK_KEY, None)
     if EXTRA_ARGS_KEY not in extra:
         return
     envelope = extra[EXTRA_ARGS_KEY]
@@ -215,7 +244,7 @@ def patch_llm_engine() -> None:
             self: Any, request_id: str, prompt: Any, params: Any, *args: Any, **kwargs: Any
         ) -> Any:
             result = original(self, request_id, prompt, params, *args, **kwargs)
-            if carries_block(params):
+            if carries_block(params) or _took_mark(self, request_id):
                 # The finished RequestOutput carries the caller's (external) id;
                 # the engine's internal one adds a random suffix.
                 self.__dict__.setdefault("_nnsight_pending", set()).add(request_id)
@@ -274,7 +303,8 @@ def patch_async_llm() -> None:
         def generate(
             self: Any, prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any
         ) -> Any:
-            if not carries_block(sampling_params):
+            traced = carries_block(sampling_params)
+            if not traced and not _edits_installed(self):
                 return original(self, prompt, sampling_params, request_id, *args, **kwargs)
             from ..returns.outputs import traced_stream
             from ..server.responses import current
@@ -283,8 +313,8 @@ def patch_async_llm() -> None:
             in_flight = self.__dict__.setdefault("_nnsight_in_flight", set())
             if request_id in in_flight:
                 raise _refused(
-                    f"a request with id {request_id!r} carrying an nnsight block is already "
-                    "running; give each traced request its own id."
+                    f"a request with id {request_id!r} carrying an nnsight block or running "
+                    "installed edits is already running; give each request its own id."
                 )
             stream = original(self, prompt, sampling_params, request_id, *args, **kwargs)
             in_flight.add(request_id)  # until the stream ends (``traced_stream``)
@@ -292,24 +322,44 @@ def patch_async_llm() -> None:
             if collector is not None:
                 collector.started(request_id)
             on_finished = collector.finished if collector else None
-            return traced_stream(self, stream, request_id, on_finished, in_flight)
+            # A request without a block is collected if its input processing marked
+            # it for edits (known once the stream has started).
+            collected = None if traced else functools.partial(_took_mark, self, request_id)
+            return traced_stream(self, stream, request_id, on_finished, in_flight, collected)
 
         return generate
 
     _wrap(AsyncLLM, "generate", make)
 
 
+def _edits_installed(engine: Any) -> bool:
+    from ..edits import installed_on, processor_of
+
+    return bool(installed_on(processor_of(engine)))
+
+
+def _took_mark(engine: Any, request_id: str) -> bool:
+    """Whether the engine's input processing marked this request for edits (once)."""
+    from ..edits import book_of, processor_of
+
+    book = book_of(processor_of(engine))
+    return book is not None and book.take(request_id)
+
+
 def _serving_handler(original: Callable) -> Callable:
-    """Admit or refuse blocks from the network; return their saves in the JSON."""
+    """Admit or refuse blocks from the network; return their saves, and those of
+    installed edits, in the JSON."""
 
     async def handle(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         from ..server import gate, responses
         from ..wire.trust import touches_trust
 
         xargs = getattr(request, "vllm_xargs", None)
-        if not touches_trust(xargs):
+        trusting = touches_trust(xargs)
+        if not trusting and not _edits_installed(self.engine_client):
             return await original(self, request, *args, **kwargs)
-        refusal = gate.admit(xargs, beam_search=bool(getattr(request, "use_beam_search", False)))
+        beam_search = bool(getattr(request, "use_beam_search", False))
+        refusal = gate.admit(xargs, beam_search=beam_search) if trusting else None
         if refusal is not None:
             return self.create_error_response(
                 refusal.message, err_type=refusal.kind, status_code=refusal.status
@@ -331,3 +381,28 @@ def patch_openai_chat() -> None:
     from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 
     _wrap(OpenAIServingChat, "create_chat_completion", _serving_handler)
+
+
+def patch_build_app(module_name: str) -> None:
+    """Add the operator's edit routes (``server/edits.py``) to the OpenAI server's
+    app, on the vLLM release whose server builds it in ``module_name``."""
+    import importlib
+
+    from . import SEAMS
+
+    seam = next(s for s in SEAMS if s.module == module_name and s.name == "build_app")
+    if not seam.applies():
+        return
+    module = importlib.import_module(module_name)
+
+    def make(original: Callable) -> Callable:
+        def build_app(*args: Any, **kwargs: Any) -> Any:
+            app = original(*args, **kwargs)
+            from ..server.edits import attach
+
+            attach(app)
+            return app
+
+        return build_app
+
+    _wrap(module, "build_app", make)

@@ -139,6 +139,13 @@ def step_rows(runner: Any) -> tuple[list[str], Any]:
     return batch.req_ids[:n], runner.query_start_loc.np[: n + 1]
 
 
+def discarded_rows(runner: Any) -> Any:
+    """Per row of this step's persistent batch, whether vLLM throws its sample away
+    (a prompt or recompute chunk that is not the last): ``discard_request_mask``,
+    set in ``_prepare_inputs`` before the forward (0.25 and 0.32)."""
+    return runner.discard_request_mask.np[: runner.input_batch.num_reqs]
+
+
 def speculates(runner: Any) -> bool:
     """Whether the engine decodes speculatively (a step may then carry several
     rows of a request, some of them rejected)."""

@@ -2,9 +2,10 @@
 
 One HTTP request may start several engine requests (a completion with several
 prompts starts one per prompt). While the plugin's handler wrap runs, a
-:class:`Collector` in a context variable records the traced engine requests
-the handler starts, in prompt order, and their finished outputs (the async
-engine's ``generate`` seam fills it). Then:
+:class:`Collector` in a context variable records the engine requests the handler
+starts, in prompt order, and the finished outputs of those that carried a block
+or ran installed edits (the async engine's ``generate`` seam fills it). If any
+did:
 
 - a JSON response gets an ``nnsight`` field: ``{"version": 1, "requests":
   [{"request_id", "saves", "error"}, ...]}``, one entry per prompt in order,
@@ -34,7 +35,8 @@ _DONE = "data: [DONE]"
 
 
 class Collector:
-    """The traced engine requests of one HTTP request, and their finished outputs."""
+    """The engine requests of one HTTP request, and the finished outputs of those
+    that carried a block or ran installed edits."""
 
     def __init__(self) -> None:
         self.ids: list[str] = []
@@ -84,8 +86,8 @@ def finish(handler: Any, result: Any, collector: Collector) -> Any:
     """Put the collected saves (or the block's error) on the handler's result."""
     if hasattr(result, "__aiter__"):
         return _stream(result, collector)
-    if getattr(result, "error", None) is not None or not collector.ids:
-        return result  # vLLM's own error response, or nothing was traced
+    if getattr(result, "error", None) is not None or not collector.outputs:
+        return result  # vLLM's own error response, or nothing was traced or edited
     error = collector.error()
     if error is not None:
         response = handler.create_error_response(
@@ -127,7 +129,7 @@ async def _stream(chunks: Any, collector: Collector) -> AsyncIterator[str]:
     try:
         async for chunk in chunks:
             if isinstance(chunk, str) and chunk.startswith(_DONE):
-                if collector.ids:
+                if collector.outputs:
                     yield _final_event(collector, last)
             elif isinstance(chunk, str) and chunk.startswith("data: {"):
                 last = chunk

@@ -17,7 +17,7 @@ from __future__ import annotations
 import base64
 import io
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 #: The field the saves ride in, on responses and on the final stream event.
 RESPONSE_FIELD = "nnsight"
@@ -26,8 +26,18 @@ SAVES_VERSION = 1
 TRUST_SERVER_ENV = "VLLM_NNSIGHT_TRUST_SERVER"
 
 
+class DecodedSaves(NamedTuple):
+    """What one request's document holds: the block's saves (flat and per
+    sequence) and the installed edits' saves (flat and per sequence)."""
+
+    saves: dict
+    sequences: list
+    edits: dict
+    edit_sequences: list
+
+
 def encode_request(output: Any) -> dict:
-    """The JSON-ready document for one finished, traced ``RequestOutput``."""
+    """The JSON-ready document for one finished, traced (or edited) ``RequestOutput``."""
     import torch
 
     buffer = io.BytesIO()
@@ -35,6 +45,8 @@ def encode_request(output: Any) -> dict:
         {
             "saves": getattr(output, "nnsight_saves", {}),
             "sequences": getattr(output, "nnsight_sequences", []),
+            "edits": getattr(output, "nnsight_edit_saves", {}),
+            "edit_sequences": getattr(output, "nnsight_edit_sequences", []),
         },
         buffer,
     )
@@ -64,8 +76,8 @@ def _allowed(name: str) -> type | None:
     return found if isinstance(found, type) else None
 
 
-def decode_request(document: dict) -> tuple[dict, list]:
-    """``(saves, per-sequence saves)`` from :func:`encode_request`'s document."""
+def decode_request(document: dict) -> DecodedSaves:
+    """The saves in :func:`encode_request`'s document."""
     import re
 
     import torch
@@ -89,4 +101,9 @@ def decode_request(document: dict) -> tuple[dict, list]:
                     "if you trust the server."
                 ) from None
             allowed.append(extra)
-    return blob.get("saves", {}), blob.get("sequences", [])
+    return DecodedSaves(
+        blob.get("saves", {}),
+        blob.get("sequences", []),
+        blob.get("edits", {}),
+        blob.get("edit_sequences", []),
+    )

@@ -40,6 +40,11 @@ LOCAL_KEY_ENV = "VLLM_NNSIGHT_LOCAL_KEY"
 LOCAL_SIGNATURE_KEY = "nnsight_local_sig"
 #: The ``extra_args`` key carrying a :class:`Vouched` marker (front end only).
 VOUCHED_KEY = "nnsight_vouched"
+#: The ``extra_args`` key of a request's choice of installed edits (``wire/edits.py``).
+EDITS_KEY = "nnsight_edits"
+#: The ``extra_args`` key of the front end's signed mark of the edits a request
+#: runs (``wire/edits.py``); like the local signature, never taken from a client.
+MARK_KEY = "nnsight_edit_mark"
 #: The operator's key: set on a server to accept signed blocks over HTTP; a
 #: client reads the same variable to sign.
 OPERATOR_KEY_ENV = "VLLM_NNSIGHT_KEY"
@@ -53,12 +58,13 @@ DEFAULT_MAX_TTL_S = 900.0
 MIN_KEY_CHARS = 32
 
 
+_INSPECTED = (EXTRA_ARGS_KEY, LOCAL_SIGNATURE_KEY, VOUCHED_KEY, EDITS_KEY, MARK_KEY)
+
+
 def touches_trust(extra: object) -> bool:
-    """Whether a request's ``extra_args`` (or ``vllm_xargs``) hold a block or any
-    of the trust keys, all of which the front end must inspect or drop."""
-    return isinstance(extra, dict) and (
-        EXTRA_ARGS_KEY in extra or LOCAL_SIGNATURE_KEY in extra or VOUCHED_KEY in extra
-    )
+    """Whether a request's ``extra_args`` (or ``vllm_xargs``) hold a block, a choice
+    of edits or any of the trust keys, all of which the front end must inspect or drop."""
+    return isinstance(extra, dict) and any(key in extra for key in _INSPECTED)
 
 
 class UntrustedBlockError(PermissionError):

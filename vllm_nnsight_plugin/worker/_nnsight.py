@@ -18,6 +18,8 @@ Two pieces replace nnsight's own where the profile says they are the cost:
   the device once per call: quadratic, and one sync per request, when a thousand
   requests finish together).
 
+:func:`copy_block` gives a request its own copy of an installed edit.
+
 Imported by the runtime with the first request that carries a block, never before.
 """
 
@@ -49,6 +51,7 @@ __all__ = [
     "build_model",
     "capture_exception",
     "collect_entries",
+    "copy_block",
     "dumps_compact",
     "finish_erred",
     "is_out_of_order",
@@ -102,9 +105,19 @@ TOUCHES: tuple[tuple[str, str], ...] = (
 #: written here (instance state, so :data:`TOUCHES` cannot resolve them on the
 #: class); the same test builds one of each and checks them.
 INSTANCE_TOUCHES: dict[str, tuple[str, ...]] = {
-    "Mediator": ("pending", "worker", "exception", "batch_group", "caches", "presaved", "lcls", "glbls"),
+    "Mediator": (
+        "pending",
+        "worker",
+        "exception",
+        "batch_group",
+        "caches",
+        "presaved",
+        "lcls",
+        "glbls",
+        "code",
+    ),
     "Request": ("id", "mediator", "copies", "harvested", "error"),
-    "Requests": ("requests", "templates"),
+    "Requests": ("requests", "templates", "names"),
     "VLLMBatcher": ("clone_reads",),
 }
 
@@ -176,6 +189,18 @@ class _SharedCodeMediator(Mediator):
         self.source = source
 
 
+def copy_block(template: Any) -> Any:
+    """A request's own copy of an installed edit: the template's code and captured
+    values, a scope of its own (what it saves is this request's)."""
+    copy = _SharedCodeMediator.__new__(_SharedCodeMediator)
+    Mediator.__init__(copy, template.code, template.glbls, dict(template.lcls))
+    copy.presaved = set(template.presaved)
+    copy.source = getattr(template, "source", None)
+    copy.needs_forward = getattr(template, "needs_forward", True)
+    copy.may_write = getattr(template, "may_write", True)
+    return copy
+
+
 class _BlockUnpickler(CustomCloudUnpickler):
     def find_class(self, module: str, name: str) -> Any:
         if module == Mediator.__module__ and name == Mediator.__name__:
@@ -228,15 +253,17 @@ def provide_samples(model: Any, sampled: Any) -> Any:
 
 
 def finish_erred(requests: Any, sampled: Any, eos: int) -> None:
-    """Force end-of-sequence for each request whose block raised (or stopped).
+    """Force end-of-sequence for each request whose block, or a copy of an
+    installed edit it runs, raised (or stopped).
 
     vLLM ends a request on its sampled token; a block that raised stays scheduled
     (``Requests.scope``) so this runs each step until vLLM retires it.
     """
     for request in requests.requests.values():
-        mediator = request.mediator
-        if mediator is not None and mediator.exception is not None and mediator.batch_group is not None:
-            sampled[mediator.batch_group[0]] = eos
+        for mediator in request.workers():
+            if mediator.exception is not None and mediator.batch_group is not None:
+                sampled[mediator.batch_group[0]] = eos
+                break
 
 
 def is_out_of_order(error: Any) -> bool:

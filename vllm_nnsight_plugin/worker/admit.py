@@ -16,6 +16,7 @@ from ..wire.envelope import EXTRA_ARGS_KEY, EnvelopeError, Limits, open_envelope
 from ..wire.trust import LOCAL_SIGNATURE_KEY, UntrustedBlockError, check_local
 from . import _nnsight as nns
 from .reach import needs_forward
+from .writes import may_write
 
 
 class RequestIndex:
@@ -84,6 +85,23 @@ def opened(value: Any, signature: Any, limits: Limits) -> tuple[bytes, bytes]:
     return found
 
 
+def read(mediator: Any, model: Any) -> None:
+    """Note on a loaded block what its source shows: whether it may ask for a module
+    location (``reach.py``) and whether it may write into the forward (``writes.py``)."""
+    source, scope = nns.block_source(mediator), nns.block_scope(mediator)
+    mediator.needs_forward = needs_forward(source, scope, model, nns.InterleavingTracer)
+    mediator.may_write = may_write(source, scope, model, nns.InterleavingTracer)
+
+
+def request_for(requests: Any, index: RequestIndex, request_id: str) -> Any:
+    """The tracked request of this id, tracked from now on if it was not."""
+    request = requests.requests.get(request_id)
+    if request is None:
+        request = requests.requests[request_id] = nns.Request(request_id)
+        index.add(request)
+    return request
+
+
 def admit(
     requests: Any,
     index: RequestIndex,
@@ -100,11 +118,11 @@ def admit(
     a block of the same bytes lowered before; then its block is never loaded.
     Otherwise the block's mediator is marked with whether it may ask for a module
     location (``needs_forward``, see ``reach.py``): on a compiled engine only
-    those blocks take a step off its compiled, graphed path.
+    those blocks take a step off its compiled, graphed path; and with whether it
+    may write into the forward (``may_write``, see ``writes.py``).
     """
     params = data.sampling_params
-    request = requests.requests[data.req_id] = nns.Request(data.req_id)
-    index.add(request)
+    request = request_for(requests, index, data.req_id)
     try:
         block, digest = opened(
             params.extra_args[EXTRA_ARGS_KEY], params.extra_args.get(LOCAL_SIGNATURE_KEY), limits
@@ -112,9 +130,7 @@ def admit(
         if lower_known is not None and lower_known(request, digest):
             return digest
         mediator = nns.load_block(block, persistent)
-        mediator.needs_forward = needs_forward(
-            nns.block_source(mediator), nns.block_scope(mediator), model, nns.InterleavingTracer
-        )
+        read(mediator, model)
         request.mediator = mediator
         return digest
     except (EnvelopeError, UntrustedBlockError) as error:

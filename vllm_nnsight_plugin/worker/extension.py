@@ -93,6 +93,46 @@ class NNsightWorkerExtension(metaclass=_OwnNames):
             raise TypeError("nnsight_collect takes request ids and pickled outputs from the front end")
         return runtime_of(self.model_runner).collect(list(request_ids), outputs)
 
+    # Edits: only the front end's own calls pass bytes (the envelope and its local
+    # signature; the ids to clear as JSON); vLLM's development RPC route passes
+    # strings, which are refused, and could not sign an envelope anyway.
+    def nnsight_edit_install(
+        self, edit_id: str, envelope: bytes, signature: bytes, name: str | None = None
+    ) -> str | None:
+        if not (
+            isinstance(edit_id, str)
+            and isinstance(envelope, bytes)
+            and isinstance(signature, bytes)
+            and (name is None or isinstance(name, str))
+        ):
+            raise TypeError("nnsight_edit_install takes an envelope and its signature from the front end")
+        from .edits import install_on
+
+        return install_on(
+            runtime_of(self.model_runner),
+            edit_id,
+            envelope.decode("ascii", "replace"),
+            signature.decode("ascii", "replace"),
+            name,
+        )
+
+    def nnsight_edit_clear(self, edit_ids: bytes) -> list[str]:
+        import json
+
+        if not isinstance(edit_ids, bytes):
+            raise TypeError("nnsight_edit_clear takes the ids to clear from the front end")
+        ids = json.loads(edit_ids)
+        if ids is not None and not (isinstance(ids, list) and all(isinstance(i, str) for i in ids)):
+            raise TypeError("nnsight_edit_clear takes a list of edit ids, or null for all")
+        from .edits import clear
+
+        return clear(runtime_of(self.model_runner).requests, ids)
+
+    def nnsight_edits(self) -> list[dict]:
+        from .edits import listed
+
+        return listed(runtime_of(self.model_runner).requests)
+
     def nnsight_tracked(self) -> int:
         return runtime_of(self.model_runner).tracked()
 

@@ -38,9 +38,12 @@ from .. import seams
 from ..taps.spec import RUNNER_ATTR
 from ..wire.envelope import Limits
 from ..wire.references import envoy_references
+from .edits import marked
 from .lowering import OUTPUT, Lowering
-from .refusals import refuse_chunked, refuse_resumed
+from .refusals import refuse_chunked
+from .resume import narrow, recompute_spans, refuse_resumed
 from .step import Phase, Step
+from .writes import writes
 
 logger = logging.getLogger("vllm_nnsight_plugin")
 
@@ -73,6 +76,9 @@ class WorkerRuntime:
         self.eager_steps = (os.environ.get(_EAGER_STEPS_ENV) or "1").strip().lower() not in _FALSY
         self.python_steps = 0
         self.resumed = self.preempted = 0  # requests resumed after a preemption; blocks it ended
+        self.recomputing: set[str] = set()  # resumed requests whose blocks go on, until the recompute ends
+        self.continued = 0  # blocks that went on through a recompute
+        self.sat_out = 0  # recompute chunks those blocks sat out (vLLM threw their samples away)
         self.kernels: Any = None  # the eager kernels for a compiled engine's Python steps
         self.lowering = Lowering(runner)  # requests whose blocks run on the tap tables
         self.step: Step | None = None
@@ -121,8 +127,15 @@ class WorkerRuntime:
         if resumed:
             self.resumed += len(resumed)
             if self.requests is not None:
-                self.preempted += refuse_resumed(self.requests, self.tables, resumed, nns.capture_exception)
-        new_block = any(seams.carries_block(params) for params in seams.new_params(scheduler_output))
+                failed, going_on = refuse_resumed(
+                    self.requests, self.tables, resumed, nns.capture_exception, writes
+                )
+                self.preempted += failed
+                self.continued += len(going_on - self.recomputing)
+                self.recomputing |= going_on
+        new_block = any(
+            seams.carries_block(params) or marked(params) for params in seams.new_params(scheduler_output)
+        )
         if self.model is None and new_block:
             self._build()
         if self.model is None:
@@ -135,18 +148,27 @@ class WorkerRuntime:
         seams.mark_uncompiled_step(self.runner, python)
 
     def _admit(self, scheduler_output: Any) -> None:
-        """Open the envelopes of this step's new requests (before the forward is dispatched)."""
+        """Open the envelopes of this step's new requests and give them their copies of
+        installed edits (before the forward is dispatched)."""
         from .admit import admit
+        from .edits import give_copies
 
         requests = self.requests
         tables = self.tables
         for data in seams.new_requests(scheduler_output):
-            if not seams.carries_block(data.sampling_params) or data.req_id in requests.requests:
+            if data.req_id in requests.requests:
+                continue
+            edited = (
+                requests.templates
+                and marked(data.sampling_params)
+                and give_copies(requests, self.index, data)
+            )
+            if not seams.carries_block(data.sampling_params):
                 continue
             # A lowered block counts one step per forward; a prompt split by
             # chunked prefill (the Python path refuses it, with its reason) is
-            # never lowered.
-            if tables is None or not seams.whole_prompt_scheduled(data, scheduler_output):
+            # never lowered, nor is a request whose edits run as Python anyway.
+            if tables is None or edited or not seams.whole_prompt_scheduled(data, scheduler_output):
                 admit(requests, self.index, data, self.persistent, self.limits, self.model)
                 continue
             rows = seams.scheduled_rows(data, scheduler_output)
@@ -258,12 +280,18 @@ class WorkerRuntime:
         layout = seams.StepLayout(self.runner)
         spans = layout.spans()
         step.rows = {rid: row for row, rid in enumerate(layout.req_ids)}
+        last = None
+        if self.recomputing:  # sit out a recompute's thrown-away chunks; see its last row only
+            spans, last, sat_out = recompute_spans(spans, self.recomputing, seams.discarded_rows(self.runner))
+            self.sat_out += sat_out
         refuse_chunked(self.requests, spans, self._state_of, nns.capture_exception)
         interleaver = self.model.interleaver
         interleaver.mediators = []
         interleaver.__enter__()
         step.phase = Phase.FORWARD
         requests.scope(self.model, spans)
+        if last:
+            narrow(requests, spans, last)
 
     def _on_logits(self, module: Any, args: Any, kwargs: Any) -> Any:
         step = self.step
@@ -316,6 +344,11 @@ class WorkerRuntime:
             if request.error is not None and request.mediator is None and request_id in step.rows:
                 sampled[step.rows[request_id]] = eos
 
+    def ensure_built(self) -> None:
+        """Build the tree now: an edit may arrive before any request with a block."""
+        if self.model is None:
+            self._build()
+
     # ------------------------------------------------------------------ collect
     def collect(self, request_ids: list[str], outputs: bytes | None) -> list[bytes] | None:
         """Wind up finished requests' blocks and return their saves and errors.
@@ -345,6 +378,7 @@ class WorkerRuntime:
                         value = finished[engine_id]
                     entries[engine_id]["saves"][name] = value
         self.uncollected.forget(self.requests.requests)
+        self.recomputing.intersection_update(self.requests.requests)
         if any(entry.get("saves") or entry.get("sequences") for entry in entries.values()):
             synchronize_device()
         # Only a step that stayed compiled misses module locations; with Python steps a
@@ -382,6 +416,9 @@ class WorkerRuntime:
             "uncompiled_steps": self.python_steps,
             "resumed": self.resumed,
             "preempted_blocks": self.preempted,
+            "continued_blocks": self.continued,
+            "recompute_chunks_sat_out": self.sat_out,
+            "edits": 0 if self.requests is None else len(self.requests.templates),
             "eager_kernels": 0 if self.kernels is None else len(self.kernels),
             **self.lowering.stats(),
             **lent(),

@@ -1,0 +1,146 @@
+"""Which blocks may write into the model's forward.
+
+A request vLLM preempts is recomputed from its tokens (``resume.py``). That
+rebuilds the keys and values exactly when the request's block never changed an
+activation; a block that did would see, and leave behind, a different model.
+Whether a block *may* write is read once, at admission, from its source and the
+values it captured, and only a block that certainly does not is taken to be a
+reader. The forward runs under ``torch.inference_mode``, where tensors keep no
+version counter, so a write cannot be seen after the fact; the source is what
+there is.
+
+A block may write when its source:
+
+- assigns to a subscript or an attribute (``h[:] = 0``, ``layer.output = t``),
+  or augments one (``h[:, 5] += v``), or augments a bare name (``h += v`` is in
+  place when ``h`` is a tensor, which the source cannot tell from a counter);
+- calls a method named like an in-place one (``add_``, ``zero_``, ``copy_``, an
+  ``__i*__`` or ``__setitem__``), passes ``out=``, or skips a module (``skip``);
+- reaches memory around the tensor API (``.data``, ``.numpy()``, storages);
+- calls a function or object it captured (its body is not in the source; plain
+  data, the model's tree, the tracer and torch's functions are fine), or
+  reaches names indirectly (``getattr``, ``exec``, an import, ...).
+
+Writes to ``model.logits`` and ``model.samples`` (the model's own names for
+them, on the object that is the model) do not count: they choose tokens, and
+a recompute rebuilds from the tokens.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from typing import Any
+
+from .reach import INDIRECT, _library, _plain
+
+#: What a block may write on the model and still be replayed by a recompute.
+SAMPLER = frozenset({"logits", "samples"})
+#: Attribute names that reach a tensor's memory around its API.
+ESCAPES = frozenset({"data", "numpy", "untyped_storage", "storage", "data_ptr", "__array__", "set_"})
+#: Dunder methods that mutate their object.
+MUTATING_DUNDERS = frozenset(
+    {"__setitem__", "__delitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+     "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
+)  # fmt: skip
+
+
+def _in_place(name: str) -> bool:
+    return (name.endswith("_") and not name.startswith("_")) or name in MUTATING_DUNDERS
+
+
+def _root(node: ast.AST) -> ast.AST:
+    """The expression a chain of subscripts and attributes starts from."""
+    while isinstance(node, (ast.Subscript, ast.Attribute)):
+        node = node.value
+    return node
+
+
+def _sampler_target(node: ast.AST, models: frozenset[str]) -> bool:
+    """Whether an assignment target is ``model.logits``/``model.samples`` or a
+    subscript of one (the chain's first attribute off the model's name)."""
+    while isinstance(node, ast.Subscript):
+        node = node.value
+    return (
+        isinstance(node, ast.Attribute)
+        and node.attr in SAMPLER
+        and isinstance(node.value, ast.Name)
+        and node.value.id in models
+    )
+
+
+def _targets(node: ast.AST) -> list[ast.AST]:
+    if isinstance(node, ast.Assign):
+        found = list(node.targets)
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        found = [node.target]
+    else:
+        return []
+    flat: list[ast.AST] = []
+    while found:
+        target = found.pop()
+        if isinstance(target, (ast.Tuple, ast.List)):
+            found.extend(target.elts)
+        elif isinstance(target, ast.Starred):
+            found.append(target.value)
+        else:
+            flat.append(target)
+    return flat
+
+
+@functools.lru_cache(maxsize=1024)
+def _reading(source: str, models: frozenset[str]) -> tuple[bool, frozenset[str]]:
+    """``(no write seen, names called)`` of a source, before the captured values
+    are looked at; ``models`` are the names the model is captured under."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return False, frozenset()
+    called: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom, ast.Global, ast.Nonlocal)):
+            return False, frozenset()
+        for target in _targets(node):
+            if isinstance(target, (ast.Subscript, ast.Attribute)) and not _sampler_target(target, models):
+                return False, frozenset()
+            if isinstance(node, ast.AugAssign) and isinstance(target, ast.Name):
+                return False, frozenset()
+        if isinstance(node, ast.Attribute) and node.attr in ESCAPES:
+            return False, frozenset()
+        if isinstance(node, ast.Call):
+            if isinstance(node.func, ast.Attribute) and (
+                _in_place(node.func.attr) or node.func.attr == "skip"
+            ):
+                return False, frozenset()
+            if any(keyword.arg == "out" for keyword in node.keywords):
+                return False, frozenset()
+            root = _root(node.func)
+            if isinstance(root, ast.Name):
+                called.add(root.id)
+        if isinstance(node, ast.Name) and node.id in INDIRECT:
+            return False, frozenset()
+    return True, frozenset(called)
+
+
+def may_write(source: str | None, scope: dict[str, Any], model: Any, tracer_type: type) -> bool:
+    """Whether a block (its source, the values it captured) may write into the forward."""
+    if source is None:
+        return True
+    models = frozenset(name for name, value in scope.items() if value is model)
+    reading, called = _reading(source, models)
+    if not reading:
+        return True
+    budget = [10_000]
+    for name in called:
+        if name not in scope:
+            continue  # a builtin, or a function the block defines (its body was read)
+        value = scope[name]
+        if value is model or isinstance(value, tracer_type) or _library(value) or _plain(value, budget):
+            continue  # the tree's and the tracer's methods, torch's functions, data's methods
+        return True
+    return False
+
+
+def writes(mediator: Any) -> bool:
+    """What admission found for a loaded block (a block loaded any other way may write)."""
+    return getattr(mediator, "may_write", True)
