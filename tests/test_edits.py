@@ -15,6 +15,8 @@ from vllm_nnsight_plugin.wire.edits import EditChoiceError
 
 PROMPT = "The capital of France is"
 PROMPTS = [PROMPT, "Water boils at"]
+#: Where the engine's activations are: a steering vector goes there with its block.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(autouse=True)
@@ -149,7 +151,7 @@ def test_a_steering_edit_lands_and_leaves_no_trace_once_cleared(smol, smollm2_ll
     before = plain_tokens(smollm2_llm, PROMPT, 10)
     torch.manual_seed(0)
     vector = torch.randn(576)
-    vector = 40.0 * vector / vector.norm()
+    vector = (40.0 * vector / vector.norm()).to(DEVICE)
     with smol.edit(name="steer") as (tracer, steer):
         for _ in tracer.all():
             smol.model.layers[10].output[0][:] += vector
@@ -217,7 +219,7 @@ def test_each_sequence_of_n_runs_its_own_copy(smol):
 def test_a_request_running_edits_is_not_lowered_and_its_block_lands_the_same(smol, smollm2_llm):
     torch.manual_seed(1)
     vector = torch.randn(576)
-    vector = 40.0 * vector / vector.norm()
+    vector = (40.0 * vector / vector.norm()).to(DEVICE)
 
     def steered() -> list[int]:
         with smol.requests(PROMPT, temperature=0.0, max_tokens=8) as tracer:

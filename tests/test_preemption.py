@@ -17,6 +17,7 @@ import vllm_nnsight_plugin
 from tests.conftest import start_llm, stop_llm
 from vllm_nnsight_plugin import VLLM
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPTS = ["The capital of France is", "Paris is in", "Water boils at", "One, two, three,"]
 TOKENS = 120
 # SmolLM2 in fp32 keeps 46,080 bytes of K and V per token: six blocks of 32 tokens
@@ -129,7 +130,9 @@ def test_a_reading_block_goes_on_through_a_recompute_as_if_alone(small_kv):
         alone_prepared = read_blocks(model, [prompt])
         want = small_kv.generate(alone_prepared.prompts, alone_prepared.params, use_tqdm=False)[0]
         got, expected = torch.stack(saves["rows"]), torch.stack(vllm_nnsight_plugin.saves(want)["rows"])
-        assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4), (got - expected).abs().max()
+        # The recompute's last row against the decode step's: equal up to the
+        # kernels' own rounding (about 1e-7 relative on a CPU, 1e-4 on a GPU).
+        assert (got - expected).norm() / expected.norm() < 1e-3
     assert stats(small_kv)["tracked"] == 0
 
 
@@ -158,7 +161,7 @@ def test_lowered_steering_from_the_first_step_continues_through_a_preemption(sma
     model = VLLM(small_kv)
     torch.manual_seed(0)
     vector = torch.randn(576)
-    vector = 8.0 * vector / vector.norm()
+    vector = (8.0 * vector / vector.norm()).to(DEVICE)  # where the engine's activations are
     prepared = steer_blocks(model, PROMPTS, vector)
     before = stats(small_kv)
     outputs = small_kv.generate(prepared.prompts, prepared.params, use_tqdm=False)

@@ -36,11 +36,31 @@ def test_seam_exists_with_the_expected_signature(seam):
     if not seam.applies():
         return  # another platform's runner (the CPU one, on a GPU build), or another release's
 
-    module = importlib.import_module(seam.module)
-    owner = getattr(module, seam.owner) if seam.owner else module
-    function = inspect.unwrap(getattr(owner, seam.name))
-    params = list(inspect.signature(function).parameters)
+    if not seam.owner:  # a module's function: read from its source, which the
+        # server's extras (missing on an install with no server) need not import
+        params = _function_parameters(seam.module, seam.name)
+    else:
+        owner = getattr(importlib.import_module(seam.module), seam.owner)
+        params = list(inspect.signature(inspect.unwrap(getattr(owner, seam.name))).parameters)
     assert tuple(params[: len(seam.leading)]) == seam.leading, f"{seam.label} now takes {params}"
+
+
+def _function_parameters(module: str, name: str) -> list[str]:
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.origin, f"{module} is gone"
+    tree = ast.parse(Path(spec.origin).read_text())
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+            return [arg.arg for arg in node.args.args]
+        if isinstance(node, ast.ImportFrom) and any(a.name == name and not a.asname for a in node.names):
+            package = module if spec.submodule_search_locations else module.rpartition(".")[0]
+            source = importlib.util.resolve_name("." * node.level + (node.module or ""), package)
+            return _function_parameters(source, name)  # bound by import: where it is defined
+    raise AssertionError(f"{module}.{name} is gone")
 
 
 def test_register_installs_every_declared_front_end_and_engine_core_seam():
@@ -63,14 +83,22 @@ def test_the_declared_seams_are_exactly_the_wraps_made():
         "from vllm_nnsight_plugin.plugin import register\n"
         "register()\n"
         "seams.worker.patch_model_runner(*[lambda *args: None] * 4)\n"
-        "owners = {(s.module, s.owner) for s in seams.SEAMS if s.applies()}\n"
+        "def importable(module):\n"
+        "    try:\n"
+        "        importlib.import_module(module)\n"
+        "    except ModuleNotFoundError as error:  # the server's extras, on an install without them\n"
+        "        assert not error.name.startswith('vllm'), error\n"
+        "        return False\n"
+        "    return True\n"
+        "applying = [s for s in seams.SEAMS if s.applies() and importable(s.module)]\n"
+        "owners = {(s.module, s.owner) for s in applying}\n"
         "def owner_of(module, owner):\n"
         "    found = importlib.import_module(module)\n"
         "    return getattr(found, owner) if owner else found\n"
         "made = {f'{owner or module}.{name}' for module, owner in owners\n"
         "        for name, value in vars(owner_of(module, owner)).items()\n"
         "        if getattr(value, '_vllm_nnsight_wrapped', False)}\n"
-        "declared = {s.label for s in seams.SEAMS if s.applies()}\n"
+        "declared = {s.label for s in applying}\n"
         "assert made == declared, (sorted(made - declared), sorted(declared - made))\n"
         "print('ok')\n"
     )
@@ -176,13 +204,16 @@ def test_a_python_step_switches_custom_ops_to_the_eager_kernels_and_back():
         module = torch.nn.Sequential(SiluAndMul(), RMSNorm(64))
     act, norm = module
     compiled, kept = act._forward_method, norm._forward_method  # forward_native, or it compiled
-    assert getattr(compiled, "__func__", None) is not SiluAndMul.forward_cpu
+    assert getattr(compiled, "__func__", None) not in (SiluAndMul.forward_cpu, SiluAndMul.forward_cuda)
     kernels = seams.eager_kernels(module, config)
     assert kernels is not None and [op for op, _, _ in kernels.switches] == [act]  # -rms_norm kept
-    x = torch.randn(3, 128)
+    from vllm.platforms import current_platform
+
+    own = SiluAndMul.forward_cuda if current_platform.is_cuda() else SiluAndMul.forward_cpu
+    x = torch.randn(3, 128, device="cuda" if current_platform.is_cuda() else "cpu")
     want = act.forward_native(x)
     kernels.use()
-    assert act._forward_method.__func__ is SiluAndMul.forward_cpu
+    assert act._forward_method.__func__ is own
     torch.testing.assert_close(act(x), want)
     kernels.restore()
     kernels.restore()  # idempotent
@@ -243,16 +274,23 @@ def test_the_read_of_requests_resumed_after_a_preemption():
 
 def test_blocks_are_refused_on_pipeline_and_data_parallel_engines():
     """``seams.frontend.unsupported_parallelism`` on vLLM's own parallel config
-    (the input processor reads it from ``self.vllm_config``)."""
+    (the input processor reads it from ``self.vllm_config``). A config laid out
+    over more devices than this machine has does not validate, so those are
+    read through the fields' names."""
+    from types import SimpleNamespace
+
     from vllm.config import ParallelConfig
     from vllm.v1.engine.input_processor import InputProcessor
 
     from vllm_nnsight_plugin.seams.frontend import unsupported_parallelism
 
     assert "self.vllm_config = vllm_config" in inspect.getsource(InputProcessor.__init__)
+    assert {"pipeline_parallel_size", "data_parallel_size"} <= set(ParallelConfig.__dataclass_fields__)
     assert unsupported_parallelism(ParallelConfig()) is None
-    assert "pipeline_parallel_size > 1" in unsupported_parallelism(ParallelConfig(pipeline_parallel_size=2))
-    assert "data_parallel_size > 1" in unsupported_parallelism(ParallelConfig(data_parallel_size=2))
+    laid_out = SimpleNamespace(pipeline_parallel_size=2, data_parallel_size=1)
+    assert "pipeline_parallel_size > 1" in unsupported_parallelism(laid_out)
+    laid_out = SimpleNamespace(pipeline_parallel_size=1, data_parallel_size=2)
+    assert "data_parallel_size > 1" in unsupported_parallelism(laid_out)
 
 
 def test_register_is_cheap_and_idempotent():
