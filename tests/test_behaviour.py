@@ -411,3 +411,26 @@ def test_an_unsendable_save_fails_only_its_own_request(smol):
                 ok = smol.model.layers[3].output[0].clone().save()
     assert ok is not None and tuple(ok.shape) == (3, 576)  # collected in the same call
     assert smol.vllm_entrypoint.collective_rpc("nnsight_tracked") == [0]
+
+
+def test_progress_bars_and_plain_generate_keywords(smol, capfd):
+    """A trace of several requests shows vLLM's progress bar, one request shows
+    none, ``use_tqdm`` decides either way; a plain generate takes ``use_tqdm`` and
+    refuses a misspelled sampling keyword like a trace does."""
+
+    def trace(*prompts, **kwargs):
+        with smol.trace(temperature=0.0, max_tokens=1, **kwargs) as tracer:
+            for prompt in prompts:
+                with tracer.invoke(prompt):
+                    smol.logits.save()
+        return capfd.readouterr().err
+
+    capfd.readouterr()
+    assert "Processed prompts" in trace(PROMPT, "Paris is in")
+    assert "Processed prompts" not in trace(PROMPT, "Paris is in", use_tqdm=False)
+    assert "Processed prompts" not in trace(PROMPT)
+    assert "Processed prompts" in trace(PROMPT, use_tqdm=True)
+    out = smol.generate(PROMPT, temperature=0.0, max_tokens=2, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2 and "Processed prompts" not in capfd.readouterr().err
+    with pytest.raises(TypeError, match="did you mean 'temperature'"):
+        smol.generate(PROMPT, temprature=0.0, max_tokens=1)

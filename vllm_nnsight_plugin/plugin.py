@@ -2,11 +2,15 @@
 
 vLLM calls :func:`register` in every process it starts (the front end, the
 engine core, each worker, the model-inspection subprocess), sometimes more than
-once, before any engine config exists. So it must be cheap, idempotent and
-side-effect free beyond this: it checks the vLLM version, then arranges for the
-front-end and engine-core seams (``seams.INSTALLERS``) to be installed when, and
-only when, the vLLM module that holds each one is imported in this process.
-Worker seams are installed by the worker extension, which only workers import.
+once, before any engine config exists, and it does not catch what a plugin
+raises. So it must be cheap, idempotent, never raise, and be side-effect free
+beyond this: it checks that this vLLM has every seam the plugin relies on
+(``versions.why_off``: at once on a tested release, from the source on any other),
+then arranges for the front-end and engine-core seams (``seams.INSTALLERS``) to
+be installed when, and only when, the vLLM module that holds each one is
+imported in this process. Worker seams are installed by the worker extension,
+which only workers import. On a vLLM it cannot run on, it logs one warning
+saying why and what to do, and leaves vLLM as it is.
 
 It never starts anything, never imports torch models, and never changes a
 request that carries no block.
@@ -82,19 +86,54 @@ def when_imported(name: str, callback: Callable[[], None]) -> None:
         sys.meta_path.insert(0, _AfterImport())
 
 
+def _disabled() -> bool:
+    return os.environ.get("VLLM_NNSIGHT_DISABLE", "").strip().lower() in ("1", "true", "yes")
+
+
+def switched_off() -> str | None:
+    """Why the plugin is off in this process (None: it runs). Decided once per
+    process tree: the engine processes inherit the decision of the one that
+    started them."""
+    from . import versions
+
+    if _disabled():
+        return "disabled by VLLM_NNSIGHT_DISABLE"
+    inherited = os.environ.get(versions.SWITCHED_OFF_ENV)
+    if inherited:
+        return inherited
+    try:
+        reason = versions.why_off()
+    except Exception as error:  # reading vLLM's source must never stop vLLM
+        reason = f"vLLM's seams could not be checked ({error!r})."
+    if reason:
+        os.environ[versions.SWITCHED_OFF_ENV] = reason
+    return reason
+
+
 def register() -> None:
     """Entry point: see the module docstring."""
     global _DONE
     if _DONE:
         return
     _DONE = True
-    if os.environ.get("VLLM_NNSIGHT_DISABLE", "").strip().lower() in ("1", "true", "yes"):
+    from . import versions
+    from .settings import known_to_vllm
+
+    known_to_vllm()  # the plugin's variables are never "unknown vLLM variables"
+    if _disabled():
         logger.info("vllm-nnsight: disabled by VLLM_NNSIGHT_DISABLE")
         return
+    decided_here = not os.environ.get(versions.SWITCHED_OFF_ENV)
+    reason = switched_off()
+    if reason:
+        if decided_here:  # one warning, from the process that decided
+            logger.warning("vllm-nnsight: switched off, vLLM runs without it: %s", reason)
+        return
     from . import seams
-    from .versions import check_vllm
 
-    version = check_vllm()
+    version = versions.vllm_version()
+    if not version.startswith(versions.TESTED_VLLM):
+        logger.info("vllm-nnsight: vLLM %s is not a tested release; every seam is in its source", version)
     for module, install in seams.INSTALLERS.items():
         when_imported(module, install)
     arranged = [seam.label for seam in seams.SEAMS if seam.module in seams.INSTALLERS]

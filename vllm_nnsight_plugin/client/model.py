@@ -36,7 +36,7 @@ from nnsight.modeling.vllm.async_backend import AsyncVLLMBackend
 from nnsight.modeling.vllm.vllm import VLLM as _NNsightVLLM
 from nnsight.tracing.backend import Backend
 
-from ..versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT, check_nnsight
+from ..versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT, UnsupportedVersion, check_nnsight
 from ..wire.edits import EDITS_KEY, encode_choice
 from ..wire.envelope import EXTRA_ARGS_KEY, seal
 from ..wire.references import envoys_by_reference
@@ -88,7 +88,18 @@ def _key_spelling(key: str | None, kwargs: dict) -> str | None:
 #: never read as a misspelling, however close (``max_new_tokens`` is nnsight's
 #: spelling of ``max_tokens``).
 _TRACE_KEYWORDS = frozenset(
-    {"max_new_tokens", "lora_request", "edits", "api_key", "serve", "remote", "backend", "fn", "tracer_cls"}
+    {
+        "max_new_tokens",
+        "lora_request",
+        "edits",
+        "api_key",
+        "serve",
+        "remote",
+        "backend",
+        "fn",
+        "tracer_cls",
+        "use_tqdm",
+    }
 )
 
 
@@ -139,6 +150,7 @@ class VLLM(Edits, _NNsightVLLM):
 
     def __init__(self, model: Any, *args: Any, mode: str = "sync", **kwargs: Any) -> None:
         check_nnsight()
+        _check_vllm()
         if mode not in ("sync", "async"):
             raise ValueError(f"mode={mode!r}: use 'sync' (vllm.LLM) or 'async' (AsyncLLM).")
         taps = kwargs.pop("taps", None)
@@ -203,11 +215,17 @@ class VLLM(Edits, _NNsightVLLM):
             self.vllm_entrypoint = LLM(repo_id, **kwargs)
         return meta_model
 
-    def _call(self, prompts: list, params: list, lora_requests: list, **kwargs: Any) -> Any:
-        """Run the engine; the plugin puts each request's saves on its output."""
+    def _call(
+        self, prompts: list, params: list, lora_requests: list, *, use_tqdm: bool | None = None, **kwargs: Any
+    ) -> Any:
+        """Run the engine; the plugin puts each request's saves on its output. A
+        trace of several requests shows vLLM's progress bar unless ``use_tqdm=False``."""
         mediators = self._attach_mediators(params, **kwargs)
         outputs = self.vllm_entrypoint.generate(
-            prompts, sampling_params=params, lora_request=lora_requests, use_tqdm=False
+            prompts,
+            sampling_params=params,
+            lora_request=lora_requests,
+            use_tqdm=len(prompts) > 1 if use_tqdm is None else use_tqdm,
         )
         self._collect(mediators, self._with_trees(outputs))
         return outputs
@@ -256,7 +274,10 @@ class VLLM(Edits, _NNsightVLLM):
         ``VLLM_NNSIGHT_KEY``) runs it on a server with the plugin installed.
         ``api_key=`` (nnsight's spelling for a remote service) is the same as ``key=``."""
         key = _key_spelling(key, kwargs)
+        use_tqdm = kwargs.pop("use_tqdm", None)
         _check_sampling_keywords(kwargs)
+        if serve is None and "fn" not in kwargs and not self._async_engine:
+            kwargs["fn"] = functools.partial(self._call, use_tqdm=use_tqdm)
         if serve is not None:
             from .remote import Server
 
@@ -278,12 +299,30 @@ class VLLM(Edits, _NNsightVLLM):
         return super().trace(*inputs, **kwargs)
 
     def _generate(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Plain requests (no block of the caller's; installed edits still run):
+        ``model.generate(prompts, max_tokens=..., edits=..., use_tqdm=...)``."""
         if "serve" in kwargs:
             raise NotImplementedError(
                 "model.generate(serve=...) without a with-block has no block to send; "
                 "use the openai client for plain requests, or a with-block."
             )
-        return super()._generate(*inputs, **kwargs)
+        from vllm import SamplingParams
+
+        if not self.dispatched:
+            self.dispatch()
+        kwargs = self._sampling_kwargs(kwargs)
+        use_tqdm = kwargs.pop("use_tqdm", True)
+        lora_request = kwargs.pop("lora_request", None)
+        edits = self._edit_names(kwargs.pop("edits", None))
+        self._check_edit_names(edits)
+        _check_sampling_keywords(kwargs)
+        params = SamplingParams(**kwargs)
+        if edits is not None:
+            params.extra_args = {**(params.extra_args or {}), EDITS_KEY: edits}
+        prompts = inputs[0] if len(inputs) == 1 else list(inputs)
+        if self._async_engine:
+            return self._generate_async(prompts, params, lora_request)
+        return self.vllm_entrypoint.generate(prompts, params, lora_request=lora_request, use_tqdm=use_tqdm)
 
     async def _generate_async(self, prompts: Any, params: Any, lora_request: Any) -> list:
         """Plain requests on the async engine, drained to their final outputs."""
@@ -328,6 +367,16 @@ class VLLM(Edits, _NNsightVLLM):
         state["_given_llm"] = None
         state.pop("_vllm_nnsight_references", None)  # a cache (``wire/references.py``)
         return state
+
+
+def _check_vllm() -> None:
+    """Refuse to build requests for a vLLM the plugin switched itself off on (they
+    would reach the engine with nothing there to run them)."""
+    from ..plugin import _disabled, switched_off
+
+    reason = None if _disabled() else switched_off()
+    if reason is not None:
+        raise UnsupportedVersion(f"vllm-nnsight-plugin is switched off beside this vLLM: {reason}")
 
 
 def _is_llm(value: Any) -> bool:

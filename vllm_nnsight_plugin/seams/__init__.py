@@ -168,16 +168,15 @@ class Seam:
     process: str
     #: Made only on this platform (``"cpu"``: the CPU runner overrides the method).
     platform: str | None = None
-    #: Made only on this vLLM release line (where the function lives there).
-    vllm: str | None = None
 
     def applies(self) -> bool:
-        """Whether this seam is made on the platform and vLLM this process runs."""
-        if self.vllm is not None:
-            from ..versions import vllm_version
+        """Whether this seam is made on the platform and vLLM this process runs (a
+        module's function: where that module's server calls it by its name)."""
+        if not self.owner:
+            from .check import calls_by_name, installed_root
 
-            if not vllm_version().startswith(self.vllm):
-                return False
+            root = installed_root()
+            return root is not None and calls_by_name(root, self.module, self.name)
         if self.platform is None:
             return True
         from vllm.platforms import current_platform
@@ -229,24 +228,12 @@ SEAMS: tuple[Seam, ...] = (
         ("self", "request"),
         FRONT_END,
     ),
-    # The OpenAI server's app, where the edit routes are added: the function its
-    # server calls by its module-global name (0.32 moved it).
+    # The OpenAI server's app, where the edit routes are added: wrapped in the
+    # module whose server calls it by its module-global name (0.32 moved that).
     Seam(
-        "vllm.entrypoints.launchers.api_server.entry",
-        "",
-        "build_app",
-        ("args", "supported_tasks"),
-        FRONT_END,
-        vllm="0.32.",
+        "vllm.entrypoints.launchers.api_server.entry", "", "build_app", ("args", "supported_tasks"), FRONT_END
     ),
-    Seam(
-        "vllm.entrypoints.openai.api_server",
-        "",
-        "build_app",
-        ("args", "supported_tasks"),
-        FRONT_END,
-        vllm="0.25.",
-    ),
+    Seam("vllm.entrypoints.openai.api_server", "", "build_app", ("args", "supported_tasks"), FRONT_END),
     Seam("vllm.v1.core.sched.scheduler", "Scheduler", "add_request", ("self", "request"), ENGINE_CORE),
     Seam("vllm.v1.core.sched.scheduler", "Scheduler", "schedule", ("self",), ENGINE_CORE),
     Seam(
@@ -265,6 +252,99 @@ SEAMS: tuple[Seam, ...] = (
     ),
     Seam("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "load_model", ("self",), WORKER),
     Seam("vllm.v1.worker.cpu_model_runner", "CPUModelRunner", "load_model", ("self",), WORKER, "cpu"),
+)
+
+
+@dataclass(frozen=True)
+class Fact:
+    """A line of vLLM's source the plugin relies on: ``text`` (or any one of
+    several) appears in the source of ``qualname`` (``Class``, ``Class.method`` or
+    a function) in ``module``; ``why`` says what depends on it."""
+
+    module: str
+    qualname: str
+    text: str | tuple[str, ...]
+    why: str
+
+    def found_in(self, source: str) -> bool:
+        texts = (self.text,) if isinstance(self.text, str) else self.text
+        return any(text in source for text in texts)
+
+
+_RUNNER = "vllm.v1.worker.gpu_model_runner"
+_SCHEDULER = "vllm.v1.core.sched.scheduler"
+
+#: Every line of vLLM's source the plugin reads or relies on, beside the wraps
+#: in :data:`SEAMS`. ``tests/test_seams.py`` checks each on the installed vLLM,
+#: and ``check.missing`` on any release's source.
+FACTS: tuple[Fact, ...] = (
+    Fact(_SCHEDULER, "Scheduler.schedule", "self.scheduler_config.enable_chunked_prefill", "whole prompts"),
+    Fact(
+        _SCHEDULER,
+        "Scheduler.schedule",
+        "self.scheduler_config.long_prefill_token_threshold",
+        "whole prompts",
+    ),
+    Fact(_SCHEDULER, "Scheduler.schedule", "self.max_num_scheduled_tokens", "whole prompts"),
+    Fact(
+        _SCHEDULER,
+        "Scheduler.schedule",
+        ("self.running[-1]", "self.running.pop()"),
+        "plain requests preempted first",
+    ),
+    Fact(_SCHEDULER, "Scheduler.__init__", "self.running: list[Request]", "plain requests preempted first"),
+    Fact("vllm.v1.core.sched.output", "CachedRequestData", "resumed_req_ids", "preempted requests"),
+    Fact("vllm.v1.core.sched.output", "SchedulerOutput", "scheduled_cached_reqs", "preempted requests"),
+    Fact(
+        _RUNNER, "GPUModelRunner._prepare_inputs", "self.discard_request_mask.np[:num_reqs] = (", "recomputes"
+    ),
+    Fact(
+        _RUNNER,
+        "GPUModelRunner._determine_batch_execution_and_padding",
+        "valid_modes={CUDAGraphMode.NONE} if force_eager",
+        "a step with a block runs without a CUDA graph",
+    ),
+    Fact(_RUNNER, "GPUModelRunner.__init__", "query_start_loc", "which rows are whose"),
+    Fact(_RUNNER, "GPUModelRunner", "self.sampler(", "logits and samples"),
+    Fact("vllm.v1.worker.gpu_input_batch", "InputBatch", "req_ids", "which rows are whose"),
+    Fact("vllm.forward_context", "ForwardContext", "skip_compiled", "Python steps on a compiled engine"),
+    Fact(
+        "vllm.compilation.decorators",
+        "_support_torch_compile",
+        "get_forward_context().skip_compiled",
+        "Python steps on a compiled engine",
+    ),
+    Fact("vllm.config.vllm", "VllmConfig", "use_v2_model_runner", "the V1 runner"),
+    Fact("vllm.model_executor.custom_op", "CustomOp.forward", "self._forward_method(", "eager kernels"),
+    Fact("vllm.model_executor.custom_op", "CustomOp.__init__", "self._forward_method = ", "eager kernels"),
+    Fact(
+        "vllm.v1.engine.input_processor",
+        "InputProcessor.__init__",
+        "self.vllm_config = vllm_config",
+        "refusals",
+    ),
+    Fact(
+        "vllm.v1.engine.llm_engine", "LLMEngine.__init__", "self.input_processor = InputProcessor(", "edits"
+    ),
+    Fact("vllm.v1.engine.async_llm", "AsyncLLM.__init__", "self.input_processor = InputProcessor(", "edits"),
+    Fact(
+        "vllm.entrypoints.openai.completion.protocol",
+        "CompletionRequest.to_sampling_params",
+        "vllm_xargs",
+        "blocks over HTTP",
+    ),
+    Fact(
+        "vllm.entrypoints.openai.chat_completion.protocol",
+        "ChatCompletionRequest.to_sampling_params",
+        "vllm_xargs",
+        "blocks over HTTP",
+    ),
+    Fact(
+        "vllm.entrypoints.openai.completion.serving",
+        "OpenAIServingCompletion",
+        "self.engine_client.generate(",
+        "edits over HTTP",
+    ),
 )
 
 # The process files use the pieces above, so they load after them.
@@ -351,7 +431,9 @@ __all__ = [
     "SEAMS",
     "UNCOMPILED_STEP",
     "WORKER",
+    "FACTS",
     "EagerKernels",
+    "Fact",
     "Seam",
     "StepLayout",
     "building_meta_tree",

@@ -1,0 +1,114 @@
+"""``vllm-nnsight doctor``: what this install would do, without starting an engine.
+
+Each line is one fact and what it means: the versions, whether vLLM will load the
+plugin (its entry point), whether this vLLM has every seam the plugin relies on,
+whether a server here would take blocks from the network, and the model runner
+and compile mode an engine gets. Nothing here starts a process or loads a model.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from collections.abc import Iterator
+
+
+def _entry_point() -> str | None:
+    from importlib.metadata import entry_points
+
+    for entry in entry_points(group="vllm.general_plugins"):
+        if entry.value == "vllm_nnsight_plugin.plugin:register":
+            return entry.name
+    return None
+
+
+def _trust() -> str:
+    from .wire.trust import MIN_KEY_CHARS, OPERATOR_KEY_ENV, OPERATOR_KEY_FILE_ENV, operator_key
+
+    key = operator_key()
+    if key is None:
+        where = OPERATOR_KEY_FILE_ENV if os.environ.get(OPERATOR_KEY_FILE_ENV) else OPERATOR_KEY_ENV
+        return f"no operator key ({where} unset or empty): a server here runs no block from the network"
+    if len(key) < MIN_KEY_CHARS:
+        return f"an operator key shorter than {MIN_KEY_CHARS} characters: a server here refuses every block"
+    return "an operator key is set: a server here runs blocks (and edits) signed with it"
+
+
+def _runner() -> str:
+    value = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    if value not in (None, "", "0"):
+        return f"VLLM_USE_V2_MODEL_RUNNER={value}: vLLM's V2 runner, which runs no block (unset it)"
+    return "vLLM's V1 runner (the plugin asks for it when it builds an engine's config)"
+
+
+def _compile() -> str:
+    try:
+        from vllm.platforms import current_platform
+
+        device = current_platform.device_name
+    except Exception as error:  # no usable platform: say so rather than fail
+        return f"unknown ({error!r})"
+    return (
+        f"{device}: VLLM(path, dispatch=True) builds an eager engine (every step Python); a "
+        "stock LLM or `vllm serve` keeps vLLM's default (CUDA graphs and torch.compile on a "
+        "GPU), where a step with a block runs as Python and every other step stays compiled"
+    )
+
+
+def report() -> Iterator[tuple[str, str]]:
+    """``(what, finding)`` pairs, in the order they are printed."""
+    from .plugin import _disabled, switched_off
+    from .versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT, TESTED_VLLM, installed, vllm_version
+
+    yield "plugin", PLUGIN_VERSION
+    yield "python", platform.python_version()
+    yield "torch", installed("torch") or "not installed"
+    nnsight = installed("nnsight")
+    if nnsight == SUPPORTED_NNSIGHT:
+        yield "nnsight", nnsight
+    else:
+        yield (
+            "nnsight",
+            f"{nnsight}, but blocks are nnsight {SUPPORTED_NNSIGHT}'s: pip install nnsight=={SUPPORTED_NNSIGHT}",
+        )
+    try:
+        version = vllm_version()
+    except ImportError:
+        yield "vllm", "not installed: this machine can be a client of a server only"
+        return
+    tested = "tested" if version.startswith(TESTED_VLLM) else "not a tested release"
+    yield "vllm", f"{version} ({tested})"
+    name = _entry_point()
+    yield (
+        "entry point",
+        f"registered as {name!r}: vLLM loads the plugin" if name else "missing: reinstall the plugin",
+    )
+    if _disabled():
+        yield "plugin state", "off: VLLM_NNSIGHT_DISABLE is set"
+    else:
+        from .seams import FACTS, SEAMS
+        from .seams.check import installed_root, missing
+
+        reason = switched_off()
+        root = installed_root()
+        problems = [] if root is None else missing(root, SEAMS, FACTS)
+        if reason is not None:
+            yield "seams", f"off: {reason}"
+        elif problems:
+            yield "seams", f"lacking (the plugin will fail where it needs it): {'; '.join(problems)}"
+        else:
+            yield "seams", f"all {len(SEAMS) + len(FACTS)} the plugin relies on are in this vLLM's source"
+    yield "trust", _trust()
+    yield "model runner", _runner()
+    yield "compile", _compile()
+
+
+def main() -> int:
+    width = 13
+    problems = 0
+    for what, finding in report():
+        print(f"{what:<{width}} {finding}")
+        problems += (
+            finding.startswith(("off:", "missing", "lacking", "VLLM_USE_V2")) or "but blocks are" in finding
+        )
+    return 1 if problems else 0
