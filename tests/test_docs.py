@@ -1,33 +1,49 @@
-"""Every docs page's Python examples run, in order, as one script per page."""
+"""The docs site: every page's Python examples run (one process, the pages sharing
+one engine per model and settings), and the site builds with ``--strict`` with
+each example's real output under it (a broken link, a missing page or picture,
+or an example changed since it ran fails the build)."""
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
-import pytest
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts" / "docs"))
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
-PAGES = sorted(DOCS.glob("*.md"))
-BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+import examples  # noqa: E402  (scripts/docs/examples.py)
 
-
-def page_script(page: Path) -> str:
-    """The page's blocks, in a ``main()`` (engines start worker processes, which
-    re-import the main module)."""
-    body = "\n".join(BLOCK.findall(page.read_text()))
-    return "def main():\n" + textwrap.indent(body, "    ") + '\n\nif __name__ == "__main__":\n    main()\n'
+#: Pages that hold no example (prose and tables only).
+PROSE = frozenset()
 
 
-@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
-def test_page_examples_run(page, tmp_path):
-    script = page_script(page)
-    if "def main():\n\n" in script:
-        pytest.fail(f"{page.name} has no python example")
-    path = tmp_path / f"{page.stem}_examples.py"
-    path.write_text(script)
-    result = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, f"{page.name}:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+def test_every_page_is_on_the_site_and_shows_an_example():
+    pages = examples.nav_pages()
+    on_disk = sorted(p.name for p in (ROOT / "docs").glob("*.md"))
+    assert sorted(pages) == on_disk
+    for page in pages:
+        if page not in PROSE:
+            assert examples.blocks((ROOT / "docs" / page).read_text()), f"{page} has no python example"
+
+
+def test_every_example_runs_and_the_site_builds_strict_with_their_outputs(tmp_path):
+    ran = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "docs" / "examples.py")],
+        capture_output=True,
+        text=True,
+        timeout=3000,
+        cwd=ROOT,
+    )
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-8000:]
+    built = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    # The first example's own output, under it on the built page.
+    page = (tmp_path / "site" / "index.html").read_text()
+    assert "torch.Size([5, 576]) &#39; Paris&#39;" in page or "torch.Size([5, 576]) ' Paris'" in page

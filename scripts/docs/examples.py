@@ -1,0 +1,163 @@
+"""Run every docs page's Python examples, keep what each printed and the pictures
+it drew, for the site (``mkdocs build`` puts the output under each example).
+
+    python scripts/docs/examples.py [PAGE.md ...]
+
+- Pages run in the order of ``mkdocs.yml``'s nav (or the ones named), in one
+  process, each in a namespace of its own, its blocks one after the other. A
+  block's standard output is what the site shows under it.
+- Pages are written as a user would write them, each building its own engine. An
+  engine built with the same model and settings as the one before is that one;
+  one with other settings shuts the earlier one down first. So the pages share
+  one engine per model and settings, and never hold two.
+- Writes ``docs/_outputs/<page>.json`` (each block's hash and output), and runs
+  with ``docs/img/`` as the working directory, where pictures are saved.
+
+The exit status is the number of pages that failed; each failure is printed
+with its traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import hashlib
+import io
+import json
+import linecache
+import os
+import re
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
+OUTPUTS = DOCS / "_outputs"
+IMAGES = DOCS / "img"
+#: A page's runnable examples: its ```python blocks, in order.
+BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+
+
+def blocks(markdown: str) -> list[str]:
+    return BLOCK.findall(markdown)
+
+
+def digest(source: str) -> str:
+    return hashlib.sha256(source.encode("utf-8")).hexdigest()[:16]
+
+
+def nav_pages() -> list[str]:
+    """The pages of the site, in nav order (``mkdocs.yml``)."""
+    import yaml
+
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    found: list[str] = []
+
+    def walk(item: object) -> None:
+        if isinstance(item, str) and item.endswith(".md"):
+            found.append(item)
+        elif isinstance(item, dict):
+            for value in item.values():
+                walk(value)
+        elif isinstance(item, list):
+            for value in item:
+                walk(value)
+
+    walk(config.get("nav", []))
+    return found
+
+
+class _Engines:
+    """``vllm.LLM``, built once per model and settings, one alive at a time."""
+
+    def __init__(self) -> None:
+        self.key: str | None = None
+        self.llm = None
+        self.built = 0
+
+    def install(self) -> None:
+        import vllm
+
+        engines = self
+        base = vllm.LLM
+
+        class Sharing(type(base)):
+            def __call__(cls, *args, **kwargs):
+                key = repr((args, sorted(kwargs.items(), key=lambda item: item[0])))
+                if key == engines.key:
+                    return engines.llm
+                engines.close()
+                engines.llm = super().__call__(*args, **kwargs)
+                engines.key = key
+                engines.built += 1
+                print("ENGINE", key[:300], file=sys.stderr)
+                return engines.llm
+
+        shared = Sharing("LLM", (base,), {"__module__": base.__module__, "__doc__": base.__doc__})
+        vllm.LLM = shared
+
+    def close(self) -> None:
+        if self.llm is not None:
+            with contextlib.suppress(Exception):
+                self.llm.llm_engine.engine_core.shutdown()
+        self.llm = self.key = None
+        gc.collect()
+
+
+def run_page(name: str, engines: _Engines) -> bool:
+    text = (DOCS / name).read_text()
+    found = blocks(text)
+    code = "\n".join(found)
+    if 'mode="async"' in code or "api_server" in code:
+        engines.close()  # the page's code builds engines of its own: make room
+    namespace: dict = {"__name__": "__docs__"}
+    results = []
+    ok = True
+    started = time.time()
+    for number, source in enumerate(found, 1):
+        captured = io.StringIO()
+        filename = f"<{name} example {number}>"
+        # nnsight reads a with-block's body back from its source, as for any file.
+        linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+        try:
+            with contextlib.redirect_stdout(captured):
+                exec(compile(source, filename, "exec"), namespace)
+        except BaseException:  # a page's failure is reported, and the next page runs
+            print(f"FAILED {name}, example {number}:\n{traceback.format_exc()}", file=sys.stderr)
+            ok = False
+            break
+        results.append({"sha": digest(source), "stdout": captured.getvalue()})
+    OUTPUTS.mkdir(parents=True, exist_ok=True)
+    target = OUTPUTS / (name[:-3] + ".json")
+    if ok:
+        target.write_text(json.dumps({"page": name, "blocks": results}, indent=1))
+    else:
+        target.unlink(missing_ok=True)
+    print(
+        f"{'ok' if ok else 'FAILED':6} {name}: {len(results)}/{len(found)} examples, {time.time() - started:.0f} s"
+    )
+    return ok
+
+
+def main(argv: list[str]) -> int:
+    # vLLM's logs (and the engine processes') go to stderr, never into an example's output.
+    os.environ["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"
+    pages = argv or nav_pages()
+    IMAGES.mkdir(parents=True, exist_ok=True)
+    os.chdir(IMAGES)
+    engines = _Engines()
+    engines.install()
+    failed = 0
+    try:
+        for name in pages:
+            failed += not run_page(name, engines)
+    finally:
+        engines.close()
+    print(f"{len(pages) - failed} of {len(pages)} pages ran; {engines.built} shared engines built")
+    return failed
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
