@@ -54,7 +54,7 @@ PARTS = (
 def build_model(folder: Path, layers: int) -> str:
     """The test suite's tiny Qwen3, with ``layers`` layers (built once per folder)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.tiny_models import build_tiny_qwen3
+    from vllm_nnsight_plugin.models.tiny import build_tiny_qwen3
 
     if (folder / "config.json").exists():
         return str(folder)

@@ -82,6 +82,6 @@ def smol(smollm2_llm):
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_path(tmp_path_factory) -> str:
-    from tests.tiny_models import build_tiny_qwen3
+    from vllm_nnsight_plugin.models.tiny import build_tiny_qwen3
 
     return build_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"))

@@ -17,8 +17,8 @@ def adapted(tiny_qwen3_path, tmp_path_factory):
     from transformers import AutoModelForCausalLM
     from vllm.lora.request import LoRARequest
 
-    from tests.tiny_models import build_lora_adapter, merged_lora
     from vllm_nnsight_plugin import VLLM
+    from vllm_nnsight_plugin.models.tiny import build_lora_adapter, merged_lora
 
     adapter = build_lora_adapter(tmp_path_factory.mktemp("lora"), tiny_qwen3_path)
     llm = start_llm(tiny_qwen3_path, enable_lora=True, max_lora_rank=8, max_loras=1)

@@ -16,8 +16,8 @@ PROMPTS = [[5, 17, 40, 9, 33, 81, 12], [7, 7, 90, 14, 3]]
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
-    from tests.tiny_models import build_tiny_qwen3_moe
     from vllm_nnsight_plugin import VLLM
+    from vllm_nnsight_plugin.models.tiny import build_tiny_qwen3_moe
 
     path = build_tiny_qwen3_moe(tmp_path_factory.mktemp("tiny-qwen3-moe"))
     llm = start_llm(path)

@@ -35,11 +35,12 @@ from nnsight.intervention.interleaver import Mediator
 from nnsight.intervention.serialization import CustomCloudUnpickler
 from nnsight.intervention.tracer import InterleavingTracer
 from nnsight.modeling.vllm.collect import dumps_compact
-from nnsight.modeling.vllm.fragments import VLLMFragments
 from nnsight.modeling.vllm.interleaver import VLLMInterleaver
 from nnsight.modeling.vllm.model_runners.GPUModelRunner import Request, Requests
 from nnsight.modeling.vllm.vllm import VLLM as NNsightVLLM
 from nnsight.tracing.tracer import _local, _saves, inc
+
+from .fragments import FusedFragments
 
 __all__ = [
     "TOUCHES",
@@ -80,6 +81,9 @@ TOUCHES: tuple[tuple[str, str], ...] = (
     ("nnsight.intervention.tracer", "InterleavingTracer.result"),
     ("nnsight.intervention.serialization", "CustomCloudUnpickler.persistent_load"),
     ("nnsight.modeling.vllm.collect", "dumps_compact"),
+    ("nnsight.modeling.vllm.fragments", "VLLMFragments.whole"),
+    ("nnsight.modeling.vllm.fragments", "VLLMFragments.split"),
+    ("nnsight.util", "apply"),
     ("nnsight.modeling.vllm.batching", "VLLMBatcher._widen_tensor"),
     ("nnsight.modeling.vllm.batching", "VLLMBatcher._token_dim"),
     ("nnsight.modeling.vllm.model_runners.GPUModelRunner", "Request.named"),
@@ -127,9 +131,11 @@ def build_model(module: Any, tokenizer: Any, batcher: Any) -> Any:
     """nnsight's tree over the live module, with a deferring interleaver.
 
     A block's error is recorded on its own mediator (``defer_exceptions``) so it
-    ends that request, never the engine.
+    ends that request, never the engine. Under tensor parallelism split values
+    are gathered by nnsight's fragments, fused projections laid out as on one
+    device (``fragments.py``).
     """
-    model = NNsightVLLM(module, interleaver=VLLMInterleaver((), fragments=VLLMFragments()))
+    model = NNsightVLLM(module, interleaver=VLLMInterleaver((), fragments=FusedFragments()))
     model.tokenizer = tokenizer
     model.interleaver.batcher = batcher
     model.interleaver.defer_exceptions = True

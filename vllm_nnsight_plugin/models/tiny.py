@@ -1,6 +1,8 @@
 """Tiny random models built in code (no hub): a byte-level BPE tokenizer trained on
-a few sentences, and a Qwen3 with random fp32 weights, saved as a checkpoint
-that both vLLM and HF transformers load."""
+a few sentences, and a Qwen3 (dense, or a mixture of experts) with random fp32
+weights, saved as a checkpoint that both vLLM and HF transformers load; and a
+random LoRA adapter for one. For tests and for examples that need a model of a
+shape SmolLM2 does not have (four attention heads split over two ranks)."""
 
 from __future__ import annotations
 
@@ -154,3 +156,17 @@ def merged_lora(model, adapter: str) -> None:
             b = tensors[key.replace("lora_A", "lora_B")]
             path = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
             model.get_submodule(path).weight += scale * (b @ a)
+
+
+def tiny_qwen3_path() -> str:
+    """A tiny random Qwen3 (3 layers, hidden 128, 4 heads over 2 key/value heads),
+    built once into the cache folder (``VLLM_NNSIGHT_CACHE``)."""
+    from .smollm2 import cache_root
+
+    folder = cache_root() / "tiny-qwen3"
+    ready = folder / "vllm-nnsight-ready"
+    if not ready.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        build_tiny_qwen3(folder)
+        ready.write_text("ok")
+    return str(folder)

@@ -1,0 +1,84 @@
+"""Fused projections under tensor parallelism, in the order one device has them.
+
+nnsight gathers a column-parallel layer's output by concatenating the ranks'
+pieces, which is the whole tensor for a plain layer. A fused layer is several
+projections side by side (``qkv_proj``: queries, keys, values; ``gate_up_proj``:
+gate, up), and each rank holds its slice *of each*, so the ranks' concatenation
+comes out rank by rank (``q0 k0 v0 | q1 k1 v1``), not as the one-device tensor
+(``q0 q1 | k0 k1 | v0 v1``). :class:`FusedFragments` reorders the gathered tensor
+into the one-device layout before a block sees it, and takes this rank's slices
+back out of it (an edit included) before vLLM goes on. Keys and values that
+vLLM replicates over ranks (fewer key/value heads than ranks) appear once, as
+on one device.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+from nnsight.modeling.vllm.fragments import VLLMFragments
+from nnsight.util import apply
+
+
+def fused_layout(module: Any) -> tuple[list[int], list[int]] | None:
+    """``(each piece's width on one rank, how many ranks hold each piece's same
+    slice)`` for a fused column-parallel module; None for any other module."""
+    sizes = getattr(module, "output_sizes", None)
+    tp = getattr(module, "tp_size", 1)
+    if not sizes or len(sizes) < 2 or tp < 2:
+        return None
+    widths = [size // tp for size in sizes]
+    replicas = [1] * len(sizes)
+    kv = getattr(module, "num_kv_head_replicas", 1)
+    if kv > 1 and len(sizes) == 3:  # a QKV projection: keys and values repeat over ranks
+        replicas[1] = replicas[2] = kv
+    return widths, replicas
+
+
+def one_device(gathered: torch.Tensor, widths: list[int], replicas: list[int], tp: int) -> torch.Tensor:
+    """The ranks' concatenation (rank by rank) in one device's layout (piece by piece)."""
+    per_rank = gathered.reshape(*gathered.shape[:-1], tp, sum(widths))
+    pieces = per_rank.split(widths, dim=-1)
+    whole = []
+    for piece, copies in zip(pieces, replicas):
+        kept = piece[..., ::copies, :]  # one rank of each group that holds the same slice
+        whole.append(kept.reshape(*gathered.shape[:-1], -1))
+    return torch.cat(whole, dim=-1)
+
+
+def this_rank(whole: torch.Tensor, widths: list[int], replicas: list[int], tp: int, rank: int) -> torch.Tensor:
+    """This rank's slices of a one-device tensor, side by side as the rank holds them."""
+    totals = [width * tp // copies for width, copies in zip(widths, replicas)]
+    pieces = whole.split(totals, dim=-1)
+    mine = [
+        piece.narrow(-1, (rank // copies) * width, width)
+        for piece, width, copies in zip(pieces, widths, replicas)
+    ]
+    return torch.cat(mine, dim=-1).contiguous()
+
+
+class FusedFragments(VLLMFragments):
+    """nnsight's gathering, with fused projections laid out as on one device."""
+
+    def _layout(self, location: str) -> tuple[list[int], list[int]] | None:
+        module, side = self.rules[location]
+        return fused_layout(module) if side == "output" else None
+
+    def whole(self, location: str, value: Any) -> tuple[Any, Any]:
+        gathered, undo = super().whole(location, value)  # undo is this class's split
+        layout = self._layout(location)
+        if layout is None:
+            return gathered, undo
+        module = self.rules[location][0]
+        reorder = partial(one_device, widths=layout[0], replicas=layout[1], tp=module.tp_size)
+        return apply(gathered, reorder, torch.Tensor), undo
+
+    def split(self, location: str, whole: Any) -> Any:
+        layout = self._layout(location)
+        if layout is None:
+            return super().split(location, whole)
+        module = self.rules[location][0]
+        cut = partial(this_rank, widths=layout[0], replicas=layout[1], tp=module.tp_size, rank=module.tp_rank)
+        return apply(whole, cut, torch.Tensor)
