@@ -3,6 +3,8 @@ end's signed mark, the operator's signed commands, and which blocks may write.""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from vllm_nnsight_plugin.wire import edits as wire
@@ -75,8 +77,21 @@ def test_a_command_is_good_once_for_its_method_path_and_body():
     too_long = wire.sign_command(KEY, "GET", "/p", ttl_s=10**6)
     with pytest.raises(UntrustedBlockError, match="lifetime"):
         wire.check_command(too_long, "GET", "/p", b"", KEY, NonceBook())
-    for bad in (None, "", "v1:x", "v2:1:2:3", "v1:nan:n:m", "v1:1e30:n:" + "é" * 10):
+    for bad in (None, "", "v2:x", "v1:1:2:3", "v2:1:nan:n:m", "v2:nan:1e30:n:m", "v2:1:1e30:n:" + "é" * 10):
         with pytest.raises(UntrustedBlockError):
             wire.check_command(bad, "GET", "/p", b"", KEY, NonceBook())
     with pytest.raises(UntrustedBlockError, match="shorter than"):
         wire.check_command(header, "GET", "/p", b"", "short", NonceBook())
+
+
+def test_a_command_made_before_the_server_started_serving_is_refused(monkeypatch):
+    """A command captured before a restart is not good after it, however long its
+    lifetime; one made since (within the clock skew allowed) is."""
+    from vllm_nnsight_plugin.wire import trust
+
+    before = wire.sign_command(KEY, "GET", "/p", ttl_s=600)
+    monkeypatch.setattr(trust, "_SERVING_SINCE", time.time() + 10)  # the server restarted since
+    with pytest.raises(UntrustedBlockError, match="before this server started serving"):
+        wire.check_command(before, "GET", "/p", b"", KEY, NonceBook())
+    monkeypatch.setattr(trust, "_SERVING_SINCE", time.time() + 3)  # within the 5 s of skew
+    wire.check_command(wire.sign_command(KEY, "GET", "/p"), "GET", "/p", b"", KEY, NonceBook())

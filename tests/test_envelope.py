@@ -13,6 +13,7 @@ from vllm_nnsight_plugin.wire.envelope import (
     Limits,
     open_envelope,
     seal,
+    split_signature,
 )
 
 VERSIONS = dict(nnsight_version="0.8.1", plugin_version="0.1.0")
@@ -24,7 +25,7 @@ def test_round_trip():
     assert open_envelope(sealed, **VERSIONS).block_bytes() == b"\x00block\xff"
 
 
-@pytest.mark.parametrize("value", ["", "garbage", "nns1:!!!", "nns1:" + base64.b64encode(b"[1,2]").decode()])
+@pytest.mark.parametrize("value", ["", "garbage", "nns2:!!!", "nns2:" + base64.b64encode(b"[1,2]").decode()])
 def test_corrupt_is_refused(value):
     with pytest.raises(EnvelopeError):
         open_envelope(value, **VERSIONS)
@@ -37,9 +38,17 @@ def test_not_a_string_is_refused():
 
 def test_format_version_mismatch_names_both_versions():
     document = {"v": ENVELOPE_VERSION + 1, "nnsight": "0.8.1", "plugin": "9.9", "payload": "eA=="}
-    value = "nns1:" + base64.b64encode(json.dumps(document).encode()).decode()
-    with pytest.raises(EnvelopeError, match=r"format version 2 .*plugin '9.9'.*version 1"):
+    value = "nns2:" + base64.b64encode(json.dumps(document).encode()).decode()
+    with pytest.raises(EnvelopeError, match=r"format version 3 .*plugin '9.9'.*version 2"):
         open_envelope(value, **VERSIONS)
+    older = "nns1:" + base64.b64encode(json.dumps(document).encode()).decode()
+    with pytest.raises(EnvelopeError, match=r"format 'nns1'; this engine reads 'nns2'.*same vllm-nnsight-plugin"):
+        open_envelope(older, **VERSIONS)
+    document["v"] = "x" * 10_000  # what a refusal shows of the input is short
+    value = "nns2:" + base64.b64encode(json.dumps(document).encode()).decode()
+    with pytest.raises(EnvelopeError) as raised:
+        open_envelope(value, **VERSIONS)
+    assert len(str(raised.value)) < 400
 
 
 def test_nnsight_version_mismatch_names_the_fix():
@@ -49,8 +58,8 @@ def test_nnsight_version_mismatch_names_the_fix():
 
 
 def test_unknown_fields_are_refused():
-    document = {"v": 1, "nnsight": "0.8.1", "plugin": "0.1.0", "payload": "eA==", "exec": "rm"}
-    value = "nns1:" + base64.b64encode(json.dumps(document).encode()).decode()
+    document = {"v": ENVELOPE_VERSION, "nnsight": "0.8.1", "plugin": "0.1.0", "payload": "eA==", "exec": "rm"}
+    value = "nns2:" + base64.b64encode(json.dumps(document).encode()).decode()
     with pytest.raises(EnvelopeError, match="malformed"):
         open_envelope(value, **VERSIONS)
 
@@ -148,20 +157,19 @@ def test_a_refusal_is_small_and_echoes_nothing_of_the_input():
     from vllm_nnsight_plugin.wire import trust
 
     fields = {f"field{i}": "secret-value-" * 20 for i in range(5_000)}
-    document = {"v": 1, "nnsight": "0.8.1", "plugin": VERSIONS["plugin_version"], "payload": "eA==", **fields}
-    value = "nns1:" + base64.b64encode(json.dumps(document).encode()).decode()
+    document = {"v": ENVELOPE_VERSION, "nnsight": "0.8.1", "plugin": VERSIONS["plugin_version"], "payload": "eA==", **fields}
+    value = "nns2:" + base64.b64encode(json.dumps(document).encode()).decode()
     with pytest.raises(EnvelopeError, match="malformed") as raised:
         open_envelope(value, **VERSIONS)
     assert len(str(raised.value)) < 400 and "secret-value" not in str(raised.value)
 
     deep = "[" * 100_000 + "]" * 100_000
     with pytest.raises(EnvelopeError, match="nests too deeply|corrupt"):
-        open_envelope("nns1:" + base64.b64encode(deep.encode()).decode(), **VERSIONS)
+        open_envelope("nns2:" + base64.b64encode(deep.encode()).decode(), **VERSIONS)
 
     key = "k" * 40
-    sealed = open_envelope(seal(b"x", key=key, **VERSIONS), **VERSIONS)
-    forged = sealed.model_copy(update={"sig": "é" * 64})
+    body, _ = split_signature(seal(b"x", key=key, **VERSIONS))
     with pytest.raises(trust.UntrustedBlockError, match="signature"):
-        trust.check_operator(forged, key, trust.NonceBook())
+        trust.check_operator_signature(f"{body}.{'é' * 64}", key)
     with pytest.raises(trust.UntrustedBlockError):
-        trust.check_local("nns1:abc", "é" * 64)
+        trust.check_local("nns2:abc", "é" * 64)

@@ -13,15 +13,23 @@ import pytest
 
 from vllm_nnsight_plugin.server.gate import admit
 from vllm_nnsight_plugin.versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT
-from vllm_nnsight_plugin.wire.envelope import ENVELOPE_VERSION, Envelope, open_envelope, seal
+from vllm_nnsight_plugin.wire.envelope import (
+    ENVELOPE_VERSION,
+    open_envelope,
+    operator_signature,
+    seal,
+    sign,
+    split_signature,
+)
 from vllm_nnsight_plugin.wire.trust import (
     LOCAL_KEY_ENV,
     LOCAL_SIGNATURE_KEY,
     VOUCHED_KEY,
     NonceBook,
     UntrustedBlockError,
+    check_lifetime,
     check_local,
-    check_operator,
+    check_operator_signature,
     local_signature,
 )
 
@@ -68,9 +76,17 @@ def test_a_refused_request_gets_no_local_signature(monkeypatch):
 
 
 def tampered(sealed: str, **changes) -> str:
-    document = json.loads(base64.b64decode(sealed[5:]))
+    """The sealed envelope with fields changed and its signature kept."""
+    body, signature = split_signature(sealed)
+    document = json.loads(base64.b64decode(body[5:]))
     document.update(changes)
-    return "nns1:" + base64.b64encode(json.dumps(document).encode()).decode()
+    return "nns2:" + base64.b64encode(json.dumps(document).encode()).decode() + f".{signature}"
+
+
+def check_operator(value: str, key: str, nonces) -> None:
+    """The door's checks in its order: the signature on the text, then the lifetime."""
+    check_operator_signature(value, key)
+    check_lifetime(open_envelope(value, **VERSIONS), nonces)
 
 
 @pytest.mark.parametrize(
@@ -87,9 +103,8 @@ def tampered(sealed: str, **changes) -> str:
     ],
 )
 def test_signature_checks(make, reason):
-    envelope = open_envelope(make(), **VERSIONS)
     with pytest.raises(UntrustedBlockError, match=reason):
-        check_operator(envelope, KEY, NonceBook())
+        check_operator(make(), KEY, NonceBook())
 
 
 def test_the_local_key_is_read_once(monkeypatch):
@@ -102,26 +117,44 @@ def test_the_local_key_is_read_once(monkeypatch):
         check_local("envelope", "0" * 64)
 
 
-def test_a_nan_expiry_is_refused():
-    envelope = open_envelope(seal(b"b", key=KEY, **VERSIONS), **VERSIONS)
-    nan = envelope.model_copy(update={"expires": float("nan"), "sig": None})
-    from vllm_nnsight_plugin.wire.envelope import operator_signature
+def resigned(sealed: str, **changes) -> str:
+    """The envelope with fields changed, signed again with the operator's key."""
+    body, _ = split_signature(tampered(sealed, **changes))
+    return sign(body, KEY)
 
-    nan = nan.model_copy(update={"sig": operator_signature(nan, KEY)})
+
+def test_a_nan_expiry_is_refused():
     with pytest.raises(UntrustedBlockError, match="finite"):
-        check_operator(nan, KEY, NonceBook())
+        check_operator(resigned(seal(b"b", key=KEY, **VERSIONS), expires=float("nan")), KEY, NonceBook())
+
+
+def test_an_envelope_made_before_the_server_started_serving_is_refused(monkeypatch):
+    """A replay across a restart: signed, unexpired, its nonce unseen by the new
+    process, and still refused."""
+    from vllm_nnsight_plugin.wire import trust
+
+    sealed = seal(b"b", key=KEY, ttl_s=600, **VERSIONS)
+    monkeypatch.setattr(trust, "_SERVING_SINCE", time.time() + 30)
+    with pytest.raises(UntrustedBlockError, match="before this server started serving"):
+        check_operator(sealed, KEY, NonceBook())
+    with pytest.raises(UntrustedBlockError, match="before this server started serving"):
+        check_operator(resigned(sealed, created=float("nan")), KEY, NonceBook())
 
 
 def test_a_short_operator_key_accepts_nothing():
-    envelope = open_envelope(seal(b"b", key="short", **VERSIONS), **VERSIONS)
     with pytest.raises(UntrustedBlockError, match="shorter than"):
-        check_operator(envelope, "short", NonceBook())
+        check_operator(seal(b"b", key="short", **VERSIONS), "short", NonceBook())
 
 
-def test_signature_covers_every_field_but_itself():
-    envelope = open_envelope(seal(b"b", key=KEY, **VERSIONS), **VERSIONS)
-    assert set(Envelope.model_fields) - {"sig"} <= set(envelope.model_dump(exclude_none=True))
+def test_the_signature_covers_the_whole_text_and_nothing_is_decoded_before_it():
+    sealed = seal(b"b", key=KEY, **VERSIONS)
+    body, signature = split_signature(sealed)
+    assert signature == operator_signature(body, KEY) and len(signature) == 64
+    envelope = open_envelope(sealed, **VERSIONS)
     assert envelope.v == ENVELOPE_VERSION and envelope.nonce and envelope.expires
+    for garbage in ("nns2:!!!." + signature, "x" * 1000 + "." + "0" * 64, body + ".", "é" * 10 + ".é"):
+        with pytest.raises(UntrustedBlockError):  # refused as unsigned or forged, not as corrupt
+            check_operator_signature(garbage, KEY)
 
 
 def test_the_front_end_parts_do_not_import_nnsight():
@@ -147,7 +180,7 @@ def test_the_operator_key_never_travels_inside_a_block(smollm2_path, monkeypatch
         steps = list().save()
         for _ in tracer.iter[:2]:
             steps.append(model.logits)
-    built = open_envelope(tracer.prepared.vllm_xargs[0]["nnsight"], **VERSIONS)
+    built = tracer.prepared.vllm_xargs[0]["nnsight"]
 
     sent = []
 
@@ -160,8 +193,8 @@ def test_the_operator_key_never_travels_inside_a_block(smollm2_path, monkeypatch
         steps = list().save()
         for _ in tracer.iter[:2]:
             steps.append(model.logits)
-    served = open_envelope(sent[0], **VERSIONS)
+    served = sent[0]
 
     for envelope in (built, served):
-        assert envelope.sig  # signed for the server...
-        assert KEY.encode() not in envelope.block_bytes()  # ...without carrying the key
+        assert split_signature(envelope)[1]  # signed for the server...
+        assert KEY.encode() not in open_envelope(envelope, **VERSIONS).block_bytes()  # ...without the key

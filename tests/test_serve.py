@@ -22,7 +22,7 @@ import torch
 
 from tests.servers import KEY, start_server
 from vllm_nnsight_plugin.versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT
-from vllm_nnsight_plugin.wire.envelope import seal
+from vllm_nnsight_plugin.wire.envelope import seal, sign
 from vllm_nnsight_plugin.wire.saves import decode_request
 
 PROMPT = "The capital of France is"
@@ -44,6 +44,8 @@ def served(smollm2_path, key_file, tmp_path_factory):
         "VLLM_SERVER_DEV_MODE": "1",  # for the nnsight_tracked RPC below
         "VLLM_NNSIGHT_MAX_SAVE_BYTES": str(MAX_SAVE_BYTES),
         "VLLM_NNSIGHT_MAX_PAYLOAD_BYTES": str(MAX_PAYLOAD_BYTES),
+        "VLLM_NNSIGHT_STEP_BUDGET_S": "2",
+        "VLLM_NNSIGHT_PACK_BUDGET_S": "2",
     }
     server = start_server(smollm2_path, str(tmp_path_factory.mktemp("logs") / "served.log"), env=env)
     yield server
@@ -160,6 +162,41 @@ def test_served_trace_reads_like_the_offline_one(armed, client, smol):
     assert out.outputs[0].text.startswith(" Paris")
 
 
+def test_a_client_without_vllm_traces_edits_and_errs_like_one_with_it(armed, client, smol, tmp_path):
+    """``pip install vllm-nnsight-plugin`` on a laptop: no vLLM, a CPU torch. The
+    tree and tokenizer come from the server; traces, invokes, steps, edits and
+    errors behave as with vLLM installed, and the reads equal the offline engine's."""
+    import os
+    import subprocess
+
+    from tests.without_vllm import ROOT, python_without_vllm
+
+    python = python_without_vllm(tmp_path / "laptop")
+    out = tmp_path / "seen.pt"
+    script = str(ROOT / "tests" / "clients" / "served_without_vllm.py")
+    env = {**os.environ, "VLLM_NNSIGHT_KEY": KEY, "PYTHONPATH": ""}
+    done = subprocess.run([python, script, armed.url, str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    seen = torch.load(out, weights_only=False)
+
+    assert seen["vllm_loaded"] == []  # nothing named vllm is left in that process
+    assert seen["layers"] == 30 and "LlamaForCausalLM" in seen["tree"] and "QKVParallelLinear" in seen["tree"]
+    with smol.trace(PROMPT, temperature=0.0, max_tokens=3) as tracer:
+        hidden = smol.model.layers[10].output[0].clone().save()
+        logits = smol.logits.save()
+        result = tracer.result.save()
+    torch.testing.assert_close(seen["hidden"], hidden, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(seen["logits"], logits, rtol=1e-4, atol=1e-4)
+    assert seen["tokens"] == list(result.outputs[0].token_ids)
+    assert seen["text"] == result.outputs[0].text and seen["text"].startswith(" Paris")
+    assert seen["first"] == (3, 576) and seen["japan"].startswith(" Tokyo")
+    assert seen["installed"] == ["probe"] and seen["edit_saves"] == ["norm"] and seen["after_clear"] == []
+    assert "IndexError" in seen["block_error"] and "Intervention traceback" in seen["block_error"]
+    assert "'temprature' is not a sampling parameter; did you mean 'temperature'" in seen["typo"]
+    assert_still_serving(armed)
+    assert tracked(armed) == 0
+
+
 def test_key_and_api_key_are_one_setting():
     from vllm_nnsight_plugin.client.model import _key_spelling
 
@@ -216,7 +253,9 @@ def test_refusals_are_http_errors_and_run_nothing(armed, tmp_path):
             403,
             "NNsightUntrustedBlock",
         ),
-        "corrupt": ("nns1:!!!" + "A" * 40, 400, "NNsightBadEnvelope"),
+        "corrupt, unsigned": ("nns2:!!!" + "A" * 40, 403, "NNsightUntrustedBlock"),
+        "corrupt, signed": (sign("nns2:!!!" + "A" * 40, KEY), 400, "NNsightBadEnvelope"),
+        "forged signature": ("nns2:" + "A" * 40 + "." + "é" * 64, 403, "NNsightUntrustedBlock"),
         "other nnsight": (
             canary_envelope(tmp_path / "e", key=KEY, nnsight_version="0.0.1"),
             400,
@@ -429,7 +468,7 @@ def test_edit_routes_refuse_what_is_not_signed_right_and_run_nothing(armed, tmp_
         return json.dumps({"block": envelope or canary_envelope(tmp_path / name)}).encode()
 
     signed_request = body("g", canary_envelope(tmp_path / "g", key=KEY))  # a block's own signature
-    replayed = body("h", "nns1:!!!")  # refused after the signature is checked, the first time
+    replayed = body("h", "nns2:!!!")  # refused after the signature is checked, the first time
     replay_header = sign_command(KEY, "POST", route, replayed)
     assert edit_install(armed, replayed, replay_header).status_code == 400
     cases = {
@@ -447,10 +486,10 @@ def test_edit_routes_refuse_what_is_not_signed_right_and_run_nothing(armed, tmp_
         response = edit_install(armed, content, header)
         assert response.status_code == status, (name, response.text)
         assert response.json()["error"]["type"] == "NNsightUntrustedBlock", name
-    corrupt = body("k", "nns1:!!!")
+    corrupt = body("k", "nns2:!!!")
     response = edit_install(armed, corrupt, sign_command(KEY, "POST", route, corrupt))
     assert response.status_code == 400 and response.json()["error"]["type"] == "NNsightBadEnvelope"
-    huge = json.dumps({"block": "nns1:" + "A" * (4 * MAX_PAYLOAD_BYTES)}).encode()
+    huge = json.dumps({"block": "nns2:" + "A" * (4 * MAX_PAYLOAD_BYTES)}).encode()
     response = edit_install(armed, huge, sign_command(KEY, "POST", route, huge))
     assert response.status_code == 413
     gone = httpx.delete(
@@ -508,3 +547,22 @@ def stock(smollm2_path, tmp_path_factory):
     )
     yield server
     server.stop()
+
+
+def test_fuzz_smoke(armed, client):
+    """A few hundred of ``benchmarks/fuzz.py``'s hostile and careless requests (the
+    10,000-case run is on demand): each answered with its documented 4xx (or 200
+    where the request is fine), none with a 5xx or a reflected input, plain
+    requests in between unchanged, no payload decoded without the key, and the
+    server serving and holding no block after."""
+    from benchmarks.fuzz import fuzz
+
+    report = fuzz(armed.url, KEY, 300, client, seed=1, clients=4, payload_limit=MAX_PAYLOAD_BYTES)
+    summary = report.summary()
+    assert summary["unexpected"] == 0, summary["unexpected_examples"]
+    assert summary["server_errors_5xx"] == 0 and summary["transport_errors"] == 0
+    assert summary["plain_checked"] >= 10 and summary["plain_mismatches"] == 0
+    assert summary["canaries_written"] == 0
+    assert summary["still_serving"] and summary["blocks_held_after"] == 0
+    kinds = summary["by_kind"]
+    assert len(kinds) >= 20 and any(kind.startswith("signed:") for kind in kinds)

@@ -15,6 +15,8 @@ import os
 import sys
 import time
 
+from .settings import value
+
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
     kwargs = dict(max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization)
@@ -88,7 +90,7 @@ def demo_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--gpu-memory-utilization",
         type=float,
-        default=float(os.environ.get("VLLM_NNSIGHT_MEMORY", "0.3")),
+        default=float(value("VLLM_NNSIGHT_MEMORY")),
         help="vLLM's memory fraction (on CPU it sizes the KV cache; keep <= 0.3 there)",
     )
     parser.add_argument("--scale", type=float, default=40.0, help="steering strength")

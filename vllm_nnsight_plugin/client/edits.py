@@ -208,6 +208,7 @@ class Edits:
         from .model import _key_spelling
 
         key = _key_spelling(key, kwargs)
+        serve, key = self._where(serve, key)
         if kwargs:
             raise TypeError(f"model.edit() got unexpected arguments {sorted(kwargs)}")
         if not inplace:
@@ -232,6 +233,7 @@ class Edits:
         and the operator's ``key``, on that server)."""
         from .. import edits
 
+        serve, key = self._where(serve, key)
         for edit in list(self._installed_edits):
             if serve is None or getattr(edit, "url", None) == serve.rstrip("/"):
                 edit.clear()
@@ -244,6 +246,7 @@ class Edits:
         """:meth:`clear_edits`, awaited: the form for ``mode="async"``."""
         from .. import edits
 
+        serve, key = self._where(serve, key)
         for edit in list(self._installed_edits):
             if serve is None or getattr(edit, "url", None) == serve.rstrip("/"):
                 await edit.aclear()
@@ -256,6 +259,7 @@ class Edits:
         """The edits installed on this model's engine (or on a server): id -> name."""
         from .. import edits
 
+        serve, key = self._where(serve, key)
         if serve is not None:
             listed = command(serve.rstrip("/"), self._signing_key(key), "GET", ROUTE)["edits"]
             return {entry["id"]: entry["name"] for entry in listed}
@@ -264,6 +268,13 @@ class Edits:
 
     def _engine(self) -> Any:
         return self.__dict__.get("vllm_entrypoint")
+
+    def _where(self, serve: str | None, key: str | None) -> tuple[str | None, str | None]:
+        """``serve``/``key`` as given, or a served model's own (``VLLM(name, serve=url)``)."""
+        served = self.__dict__.get("_served")
+        if serve is None and served is not None:
+            return served.url, key if key is not None else served.key
+        return serve, key
 
     @staticmethod
     def _signing_key(key: str | None) -> str:

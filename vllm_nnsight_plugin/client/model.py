@@ -19,12 +19,17 @@ Ways to build one::
     VLLM(llm)                      # wraps an LLM or AsyncLLM you already built
 
 and ``model.trace(..., serve="http://host:8000")`` runs a trace on a server
-instead (``client/remote.py``): no engine here, no GPU. ``model.edit()``
-installs a block on the engine for every request (``client/edits.py``).
+instead (``client/remote.py``): no engine here, no GPU. A model made for a
+server (``VLLM(name, serve=url, key=...)``, or :func:`connect`) takes its module
+tree and tokenizer from that server, so it needs no vLLM at all
+(``wire/tree.py``, ``client/standalone.py``), and every trace and edit goes
+there. ``model.edit()`` installs a block on the engine for every request
+(``client/edits.py``).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextvars
 import difflib
 import functools
@@ -43,6 +48,8 @@ from ..wire.references import envoys_by_reference
 from ..wire.trust import VOUCHED_KEY, Vouched, operator_key
 from ._nnsight import one_pickle_per_block, reattach_caches, reduce_once
 from .edits import Edits
+from .standalone import SamplingParams as _StandInParams
+from .standalone import vllm_installed, vllm_stand_ins
 
 #: The key to sign blocks with while requests for a server are being built (a
 #: context variable: traces may be built on several threads or tasks at once).
@@ -106,12 +113,15 @@ _TRACE_KEYWORDS = frozenset(
 def _check_sampling_keywords(kwargs: dict) -> None:
     """Refuse a misspelled sampling keyword now, with the one it is close to (vLLM
     refuses it only as the trace ends, and names no alternative)."""
-    try:
-        from vllm import SamplingParams
+    if not vllm_installed():
+        fields = [*vars(_StandInParams()), "extra_args"]
+    else:
+        try:
+            from vllm import SamplingParams
 
-        fields = [name for name in SamplingParams.__struct_fields__ if not name.startswith("_")]
-    except Exception:  # no vLLM here, or another SamplingParams: vLLM's own check stands
-        return
+            fields = [name for name in SamplingParams.__struct_fields__ if not name.startswith("_")]
+        except Exception:  # another SamplingParams: vLLM's own check stands
+            return
     for name in kwargs:
         if name in fields or name in _TRACE_KEYWORDS:
             continue
@@ -148,8 +158,25 @@ class VLLM(Edits, _NNsightVLLM):
     """nnsight on a stock vLLM engine; see the module docstring. ``model.edit()``
     and the other edit methods are :class:`~.edits.Edits`'."""
 
-    def __init__(self, model: Any, *args: Any, mode: str = "sync", **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: Any,
+        *args: Any,
+        mode: str = "sync",
+        serve: str | None = None,
+        key: str | None = None,
+        **kwargs: Any,
+    ) -> None:
         check_nnsight()
+        key = _key_spelling(key, kwargs)
+        self._served: Any = None
+        if serve is not None:
+            self._served = _served_model(model, serve, key, mode, kwargs)
+            with vllm_stand_ins():
+                super().__init__(model, *args, **kwargs)
+            if not vllm_installed():  # nothing of vLLM's was brought up to tear down
+                atexit.unregister(_NNsightVLLM._cleanup_distributed)
+            return
         _check_vllm()
         if mode not in ("sync", "async"):
             raise ValueError(f"mode={mode!r}: use 'sync' (vllm.LLM) or 'async' (AsyncLLM).")
@@ -179,13 +206,28 @@ class VLLM(Edits, _NNsightVLLM):
         super().__init__(model, *args, mode=mode, **kwargs)
 
     # ------------------------------------------------------------------ engine
+    def _init_distributed(self) -> None:
+        if self.__dict__.get("_served") is None:  # a served model builds nothing of vLLM's
+            _NNsightVLLM._init_distributed()
+
     def _load_meta(self, repo_id: str, **kwargs: Any) -> Any:
         from .. import seams
+
+        served = self.__dict__.get("_served")
+        if served is not None:
+            module, self.tokenizer = served.tree()
+            self._graph_unsafe_prefill = False
+            return module
 
         with seams.building_meta_tree():
             return super()._load_meta(repo_id, **kwargs)
 
     def _load(self, repo_id: str, **kwargs: Any) -> Any:
+        if self.__dict__.get("_served") is not None:
+            raise RuntimeError(
+                f"this model runs on {self._served.url}: trace it (its forward is the "
+                "server's); there is no engine here to dispatch."
+            )
         meta_model = self.__dict__.get("_module")
         if meta_model is None:
             meta_model = self._load_meta(repo_id, **kwargs)
@@ -235,9 +277,17 @@ class VLLM(Edits, _NNsightVLLM):
             reattach_caches(getattr(output, "saves", None) or {}, self)
         return outputs
 
+    def _batch(self, invokes: list[tuple], fn: Any) -> tuple:
+        with vllm_stand_ins():
+            return super()._batch(invokes, fn)
+
+    def _prompt(self, *inputs: Any) -> Any:
+        with vllm_stand_ins():
+            return super()._prompt(*inputs)
+
     def _attach_mediators(self, params: list, **kwargs: Any) -> list:
         reduce_once()  # one reduction per with-block, not per invoke (``_nnsight.py``)
-        with envoys_by_reference(self), one_pickle_per_block():
+        with envoys_by_reference(self), one_pickle_per_block(), vllm_stand_ins():
             attached = super()._attach_mediators(params, **kwargs)
         _seal_params(params, len(attached), _SERVER_KEY.get())
         return attached
@@ -274,6 +324,9 @@ class VLLM(Edits, _NNsightVLLM):
         ``VLLM_NNSIGHT_KEY``) runs it on a server with the plugin installed.
         ``api_key=`` (nnsight's spelling for a remote service) is the same as ``key=``."""
         key = _key_spelling(key, kwargs)
+        served = self.__dict__.get("_served")
+        if serve is None and served is not None and "fn" not in kwargs:
+            serve, key = served.url, key if key is not None else served.key
         use_tqdm = kwargs.pop("use_tqdm", None)
         _check_sampling_keywords(kwargs)
         if serve is None and "fn" not in kwargs and not self._async_engine:
@@ -301,7 +354,7 @@ class VLLM(Edits, _NNsightVLLM):
     def _generate(self, *inputs: Any, **kwargs: Any) -> Any:
         """Plain requests (no block of the caller's; installed edits still run):
         ``model.generate(prompts, max_tokens=..., edits=..., use_tqdm=...)``."""
-        if "serve" in kwargs:
+        if "serve" in kwargs or self.__dict__.get("_served") is not None:
             raise NotImplementedError(
                 "model.generate(serve=...) without a with-block has no block to send; "
                 "use the openai client for plain requests, or a with-block."
@@ -358,6 +411,9 @@ class VLLM(Edits, _NNsightVLLM):
         """
         prepared = PreparedRequests()
         key = _key_spelling(key, kwargs)
+        served = self.__dict__.get("_served")
+        if key is None and served is not None:
+            key = served.key
         tracer = self.trace(*inputs, fn=_Take(self, prepared, key), **kwargs)
         tracer.prepared = prepared
         return tracer
@@ -365,8 +421,59 @@ class VLLM(Edits, _NNsightVLLM):
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         state["_given_llm"] = None
+        state["_served"] = None  # holds the operator's key
         state.pop("_vllm_nnsight_references", None)  # a cache (``wire/references.py``)
         return state
+
+
+def connect(url: str, key: str | None = None, **kwargs: Any) -> VLLM:
+    """The model a server serves, ready to trace: ``connect("http://host:8000", key=...)``.
+
+    Needs no vLLM here: the module tree and tokenizer come from the server."""
+    from .remote import Server
+
+    signing_key = operator_key(_key_spelling(key, kwargs))
+    name = Server(url, signing_key or "").model_name()
+    return VLLM(name, serve=url, key=signing_key, **kwargs)
+
+
+@dataclass
+class _ServedModel:
+    """Where a model made with ``serve=`` runs, and the key that signs for it."""
+
+    url: str
+    key: str
+
+    def tree(self) -> tuple[Any, Any]:
+        """The server's module tree (stand-in modules on meta) and its tokenizer."""
+        from ..wire.tree import TREE_VERSION, TreeError, load_tokenizer, rebuild
+        from .edits import command
+        from .remote import TREE_ROUTE
+
+        document = command(self.url, self.key, "GET", TREE_ROUTE)
+        if document.get("version") != TREE_VERSION:
+            raise TreeError(
+                f"the server describes its model in format {document.get('version')!r}; this "
+                f"client reads {TREE_VERSION}: install the same vllm-nnsight-plugin on both."
+            )
+        return rebuild(document.get("modules")), load_tokenizer(document.get("tokenizer") or {})
+
+
+def _served_model(model: Any, url: str, key: str | None, mode: str, kwargs: dict) -> _ServedModel:
+    if not isinstance(model, str):
+        raise TypeError("VLLM(name, serve=url): name the served model (or use connect(url)).")
+    if mode != "sync" or kwargs.get("dispatch"):
+        raise ValueError(
+            "a model made with serve=... runs on that server: no dispatch=True and no "
+            "mode='async' here (the server streams; its engine is its own)."
+        )
+    signing_key = operator_key(key)
+    if signing_key is None:
+        raise ValueError(
+            "a served model must be signed for: pass key=... (the server operator's key) "
+            "or set VLLM_NNSIGHT_KEY."
+        )
+    return _ServedModel(url.rstrip("/"), signing_key)
 
 
 def _check_vllm() -> None:

@@ -41,6 +41,8 @@ SAMPLING_FIELDS = (
     "bad_words",
     "allowed_token_ids",
 )
+#: The operator's route describing the served model (``server/tree.py``).
+TREE_ROUTE = "/v1/nnsight/model"
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 600.0
 

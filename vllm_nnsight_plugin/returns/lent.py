@@ -42,7 +42,9 @@ class LentFlat:
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    from ..settings import value
+
+    return bool(value(ENV))
 
 
 def lend(flat: Any) -> LentFlat | None:

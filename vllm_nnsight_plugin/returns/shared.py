@@ -58,8 +58,9 @@ class SharedFlat:
 
 
 def min_bytes() -> int:
-    raw = os.environ.get(MIN_BYTES_ENV)
-    return DEFAULT_MIN_BYTES if raw is None or not raw.strip() else int(raw)
+    from ..settings import value
+
+    return int(value(MIN_BYTES_ENV))
 
 
 def large(flat: Any) -> bool:

@@ -384,7 +384,7 @@ def patch_openai_chat() -> None:
 
 
 def patch_build_app(module_name: str) -> None:
-    """Add the operator's edit routes (``server/edits.py``) to the OpenAI server's
+    """Add the operator's routes (``server/edits.py``, ``server/tree.py``) to the OpenAI server's
     app, on the vLLM release whose server builds it in ``module_name``."""
     import importlib
 
@@ -398,9 +398,12 @@ def patch_build_app(module_name: str) -> None:
     def make(original: Callable) -> Callable:
         def build_app(*args: Any, **kwargs: Any) -> Any:
             app = original(*args, **kwargs)
-            from ..server.edits import attach
+            from ..server import edits, tree
+            from ..wire.trust import mark_serving
 
-            attach(app)
+            edits.attach(app)
+            tree.attach(app)
+            mark_serving()  # the engine is up: nothing signed before a restart runs now
             return app
 
         return build_app

@@ -35,6 +35,7 @@ from ..wire.envelope import (
     EnvelopeTooLarge,
     Limits,
     open_envelope,
+    too_large,
 )
 from ..wire.trust import (
     LOCAL_SIGNATURE_KEY,
@@ -44,7 +45,8 @@ from ..wire.trust import (
     NonceBook,
     UntrustedBlockError,
     Vouched,
-    check_operator,
+    check_lifetime,
+    check_operator_signature,
     operator_key,
 )
 
@@ -81,14 +83,14 @@ def admit(xargs: dict, *, beam_search: bool = False) -> Refusal | None:
             "set to a secret key, which clients then sign with.",
         )
     value = xargs[EXTRA_ARGS_KEY]
+    limits = Limits.from_env()
     try:
+        too_large(value, limits)
+        check_operator_signature(value, key)  # on the text as it came: nothing decoded before
         envelope = open_envelope(
-            value,
-            nnsight_version=SUPPORTED_NNSIGHT,
-            plugin_version=PLUGIN_VERSION,
-            limits=Limits.from_env(),
+            value, nnsight_version=SUPPORTED_NNSIGHT, plugin_version=PLUGIN_VERSION, limits=limits
         )
-        check_operator(envelope, key, _NONCES)
+        check_lifetime(envelope, _NONCES)
     except EnvelopeTooLarge as error:
         return Refusal(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "NNsightPayloadTooLarge", str(error))
     except (EnvelopeExpired, UntrustedBlockError) as error:

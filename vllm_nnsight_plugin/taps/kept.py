@@ -16,7 +16,6 @@ as Python.
 from __future__ import annotations
 
 import bisect
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +29,9 @@ KEPT_BYTES_ENV = "VLLM_NNSIGHT_KEPT_BYTES"
 def store_rows(row_bytes: int, cuda: bool) -> int:
     """How many rows the store holds (row 0 takes the rows nobody keeps)."""
     default = (1 << 30) if cuda else (128 << 20)
-    return max(2, int(os.environ.get(KEPT_BYTES_ENV) or default) // max(1, row_bytes))
+    from ..settings import value
+
+    return max(2, int(value(KEPT_BYTES_ENV) or default) // max(1, row_bytes))
 
 
 @dataclass

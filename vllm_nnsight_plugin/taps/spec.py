@@ -12,7 +12,6 @@ that names nothing is refused with what exists instead, never ignored.
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -50,7 +49,9 @@ def parse(patterns: Iterable[str] | str | None) -> tuple[str, ...]:
 
 
 def from_env() -> tuple[str, ...]:
-    return parse(os.environ.get(ENV))
+    from ..settings import value
+
+    return tuple(value(ENV))
 
 
 def resolve(

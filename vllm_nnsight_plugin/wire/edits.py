@@ -31,11 +31,11 @@ from typing import Any
 
 from .trust import EDITS_KEY as EDITS_KEY  # defined beside the other keys the front end inspects
 from .trust import MARK_KEY as MARK_KEY
-from .trust import MIN_KEY_CHARS, NonceBook, UntrustedBlockError, local_key, max_ttl_s
+from .trust import MIN_KEY_CHARS, NonceBook, UntrustedBlockError, local_key, made_since_serving, max_ttl_s
 
 #: The HTTP header carrying a control command's operator signature.
 COMMAND_HEADER = "x-nnsight-signature"
-_COMMAND_VERSION = "v1"
+_COMMAND_VERSION = "v2"
 
 #: Bounds on a choice: a request names a few edits, each by a short name.
 MAX_NAMES, MAX_NAME_CHARS = 64, 128
@@ -127,17 +127,24 @@ def read_mark(value: Any) -> list[str]:
 
 
 # ---------------------------------------------------------------------- commands
-def _command_mac(key: str, method: str, path: str, body: bytes, expires: float, nonce: str) -> str:
+def _command_mac(
+    key: str, method: str, path: str, body: bytes, created: float, expires: float, nonce: str
+) -> str:
     digest = hashlib.sha256(body).hexdigest()
-    message = f"nnsight-command-{_COMMAND_VERSION}\n{method.upper()}\n{path}\n{expires!r}\n{nonce}\n{digest}"
+    message = (
+        f"nnsight-command-{_COMMAND_VERSION}\n{method.upper()}\n{path}\n{created!r}\n{expires!r}\n"
+        f"{nonce}\n{digest}"
+    )
     return hmac.new(key.encode("utf-8"), message.encode("utf-8"), hashlib.sha256).hexdigest()
 
 
 def sign_command(key: str, method: str, path: str, body: bytes = b"", ttl_s: float = 60.0) -> str:
     """The signature header's value for one control request (good once, for ``ttl_s``)."""
-    expires = round(time.time() + ttl_s, 3)
+    created = round(time.time(), 3)
+    expires = round(created + ttl_s, 3)
     nonce = secrets.token_hex(16)
-    return f"{_COMMAND_VERSION}:{expires!r}:{nonce}:{_command_mac(key, method, path, body, expires, nonce)}"
+    mac = _command_mac(key, method, path, body, created, expires, nonce)
+    return f"{_COMMAND_VERSION}:{created!r}:{expires!r}:{nonce}:{mac}"
 
 
 def check_command(
@@ -157,16 +164,16 @@ def check_command(
             "operator's key (the client does this when given key=...)."
         )
     parts = header.split(":")
-    if len(parts) != 4 or parts[0] != _COMMAND_VERSION or len(header) > 512:
+    if len(parts) != 5 or parts[0] != _COMMAND_VERSION or len(header) > 512:
         raise UntrustedBlockError(f"the {COMMAND_HEADER} header is malformed.")
-    _, expires_text, nonce, mac = parts
+    _, created_text, expires_text, nonce, mac = parts
     try:
-        expires = float(expires_text)
+        created, expires = float(created_text), float(expires_text)
     except ValueError:
         raise UntrustedBlockError(f"the {COMMAND_HEADER} header is malformed.") from None
-    if not math.isfinite(expires) or not nonce:
+    if not (math.isfinite(expires) and math.isfinite(created)) or not nonce:
         raise UntrustedBlockError(f"the {COMMAND_HEADER} header is malformed.")
-    expected = _command_mac(key, method, path, body, expires, nonce)
+    expected = _command_mac(key, method, path, body, created, expires, nonce)
     if not hmac.compare_digest(expected.encode(), mac.encode("utf-8", "replace")):
         raise UntrustedBlockError(
             "the command's signature does not match this server's operator key (a wrong "
@@ -176,5 +183,10 @@ def check_command(
         raise UntrustedBlockError("the signed command has expired; send it again.")
     if expires - now > max_ttl_s():
         raise UntrustedBlockError("the signed command's lifetime is over this server's limit.")
+    if not made_since_serving(created):
+        raise UntrustedBlockError(
+            "the signed command was made before this server started serving (a replay across "
+            "a restart, or a clock far behind the server's); send it again."
+        )
     if not nonces.claim(nonce, expires, now):
         raise UntrustedBlockError("this signed command was already used (a replay).")

@@ -4,7 +4,11 @@ A block is nnsight's serialized ``Mediator`` (its source, its captured names).
 It rides a stock ``SamplingParams.extra_args`` entry, which vLLM carries from the
 front end to every worker untouched, and which the OpenAI server fills from
 ``vllm_xargs``. Over HTTP those values must be strings, so the envelope is one
-ASCII string: a short prefix, then base64 of a JSON document.
+ASCII string: a short prefix, base64 of a JSON document, and for a server a dot
+and the operator's signature over everything before it (HMAC-SHA256, hex). The
+signature is outside the document so that a server checks it on the string as
+it arrived, before decoding anything in it (:func:`split_signature`): a sender
+without the key costs the server one HMAC over a string of bounded length.
 
 The JSON document is validated by pydantic in :func:`open_envelope`, the one
 place a worker decodes anything a client sent. It carries:
@@ -15,9 +19,9 @@ place a worker decodes anything a client sent. It carries:
   nnsight's own pickle of its classes, which only the same version can read.
 - ``plugin``: the client's plugin version, for error messages.
 - ``payload``: base64 of the serialized block.
-- ``sig``/``expires``/``nonce``: for a server, the operator's signature
-  (HMAC-SHA256 over every other field, see :func:`signed_bytes`) and what
-  keeps a signed envelope from being used twice. The offline path needs none.
+- ``created``: when it was sealed (a server refuses one sealed before it started).
+- ``expires``/``nonce``: for a server, what keeps a signed envelope from being
+  used twice (``wire/trust.py``). The offline path needs none.
 
 Sizes are bounded before anything is decoded (:class:`Limits`).
 """
@@ -29,7 +33,6 @@ import binascii
 import hashlib
 import hmac
 import json
-import os
 import secrets
 import time
 
@@ -38,8 +41,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 #: The ``extra_args`` key (and ``vllm_xargs`` key) a block rides under.
 EXTRA_ARGS_KEY = "nnsight"
 #: Format version this code writes and reads.
-ENVELOPE_VERSION = 1
-_PREFIX = "nns1:"
+ENVELOPE_VERSION = 2
+_PREFIX = "nns2:"
+_SIGNATURE_CHARS = 64
 
 
 class EnvelopeError(ValueError):
@@ -66,14 +70,12 @@ class Limits(BaseModel):
 
     @classmethod
     def from_env(cls) -> Limits:
-        values = {}
-        for field, var in (
-            ("max_payload_bytes", "VLLM_NNSIGHT_MAX_PAYLOAD_BYTES"),
-            ("max_save_bytes", "VLLM_NNSIGHT_MAX_SAVE_BYTES"),
-        ):
-            if os.environ.get(var):
-                values[field] = int(os.environ[var])
-        return cls(**values)
+        from ..settings import value
+
+        return cls(
+            max_payload_bytes=value("VLLM_NNSIGHT_MAX_PAYLOAD_BYTES"),
+            max_save_bytes=value("VLLM_NNSIGHT_MAX_SAVE_BYTES"),
+        )
 
 
 class Envelope(BaseModel):
@@ -88,7 +90,6 @@ class Envelope(BaseModel):
     created: float = 0.0
     expires: float | None = None
     nonce: str | None = None
-    sig: str | None = None
 
     def block_bytes(self) -> bytes:
         try:
@@ -97,18 +98,21 @@ class Envelope(BaseModel):
             raise EnvelopeError(f"the envelope's payload is not valid base64 ({error})") from None
 
 
-def signed_bytes(envelope: Envelope) -> bytes:
-    """What an operator signature covers: every field but ``sig``, as canonical JSON.
-
-    Both ends build this from the parsed document, so key order and spacing on
-    the wire do not matter, and no field can be changed without breaking it.
-    """
-    fields = envelope.model_dump(exclude={"sig"}, exclude_none=True)
-    return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode("utf-8")
+def operator_signature(body: str, key: str) -> str:
+    """The operator's signature over an envelope's text (everything before the dot)."""
+    return hmac.new(key.encode("utf-8"), body.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()
 
 
-def operator_signature(envelope: Envelope, key: str) -> str:
-    return hmac.new(key.encode("utf-8"), signed_bytes(envelope), hashlib.sha256).hexdigest()
+def split_signature(value: str) -> tuple[str, str | None]:
+    """``(body, signature)`` of an envelope's text; None when it carries none. Reads
+    nothing inside the body (base64 has no dot)."""
+    body, dot, signature = value.partition(".")
+    return body, (signature if dot else None)
+
+
+def sign(body: str, key: str) -> str:
+    """An envelope's text, signed for a server."""
+    return f"{body}.{operator_signature(body, key)}"
 
 
 def seal(
@@ -134,10 +138,9 @@ def seal(
         expires=now + ttl_s if key else None,
         nonce=secrets.token_hex(16) if key else None,
     )
-    if key:
-        document = document.model_copy(update={"sig": operator_signature(document, key)})
     raw = json.dumps(document.model_dump(exclude_none=True), separators=(",", ":"))
-    return _PREFIX + base64.b64encode(raw.encode("utf-8")).decode("ascii")
+    body = _PREFIX + base64.b64encode(raw.encode("utf-8")).decode("ascii")
+    return sign(body, key) if key else body
 
 
 def _problems(error: ValidationError, shown: int = 3) -> str:
@@ -150,6 +153,26 @@ def _problems(error: ValidationError, shown: int = 3) -> str:
         parts.append(f"{where}: {problem.get('type', 'invalid')}")
     more = f" and {len(problems) - shown} more" if len(problems) > shown else ""
     return f"{len(problems)} problem(s): {'; '.join(parts)}{more}"
+
+
+def too_large(value: object, limits: Limits) -> None:
+    """Raise :class:`EnvelopeTooLarge` if the text is longer than any envelope under
+    the payload limit can be. The block is base64 inside a JSON document that is
+    base64 again (4/3 twice), beside a few hundred bytes of fields and a signature."""
+    length = len(value) if isinstance(value, (str, bytes)) else 0
+    if length > (limits.max_payload_bytes * 4 // 3 + _FIELDS_BYTES) * 4 // 3 + _SIGNATURE_CHARS + 1:
+        raise EnvelopeTooLarge(
+            f"the block is {length} bytes encoded, over this engine's limit of "
+            f"{limits.max_payload_bytes} bytes (VLLM_NNSIGHT_MAX_PAYLOAD_BYTES). Build "
+            "large tensors inside the block (from the model or from a seed) rather than "
+            "capturing them, or ask the operator to raise the limit."
+        )
+
+
+def _short(value: object) -> str:
+    """A value from the input, as a refusal may show it: short."""
+    shown = repr(value)
+    return shown if len(shown) <= 40 else shown[:37] + "..."
 
 
 #: Room for an envelope's fields besides the payload (versions, times, nonce,
@@ -181,31 +204,31 @@ def open_envelope(
             f"vllm_nnsight_plugin (got {type(value).__name__}). Build requests with "
             "VLLM.trace or model.requests(...)."
         )
-    # The block is base64 inside a JSON document that is base64 again (4/3 twice),
-    # beside a few hundred bytes of fields; bound the string before decoding anything.
-    if len(value) > (limits.max_payload_bytes * 4 // 3 + _FIELDS_BYTES) * 4 // 3:
-        raise EnvelopeTooLarge(
-            f"the block is {len(value)} bytes encoded, over this engine's limit of "
-            f"{limits.max_payload_bytes} bytes (VLLM_NNSIGHT_MAX_PAYLOAD_BYTES). Build "
-            "large tensors inside the block (from the model or from a seed) rather than "
-            "capturing them, or ask the operator to raise the limit."
-        )
+    too_large(value, limits)
     if not value.startswith(_PREFIX):
+        head, colon, _ = value[:12].partition(":")
+        if colon and head.startswith("nns") and head[3:].isdigit():
+            raise EnvelopeError(
+                f"the envelope is format {head!r}; this engine reads {_PREFIX[:-1]!r} "
+                f"(plugin {plugin_version}). Install the same vllm-nnsight-plugin version on "
+                "the client and the server."
+            )
         raise EnvelopeError(
             f"extra_args[{EXTRA_ARGS_KEY!r}] is not a vllm-nnsight envelope (it should "
             f"start with {_PREFIX!r}); it may be corrupt or come from another tool."
         )
+    body, _ = split_signature(value)
     try:
-        raw = base64.b64decode(value[len(_PREFIX) :], validate=True)
+        raw = base64.b64decode(body[len(_PREFIX) :], validate=True)
         document = json.loads(raw)
     except (binascii.Error, ValueError) as error:
-        raise EnvelopeError(f"the envelope is corrupt: {str(error)[:200]}") from None
+        raise EnvelopeError(f"the envelope is corrupt: {type(error).__name__}") from None
     except RecursionError:
         raise EnvelopeError("the envelope is corrupt: it nests too deeply") from None
     if isinstance(document, dict) and document.get("v") != ENVELOPE_VERSION:
         raise EnvelopeError(
-            f"the envelope is format version {document.get('v')!r} (client plugin "
-            f"{document.get('plugin')!r}); this engine reads version {ENVELOPE_VERSION} "
+            f"the envelope is format version {_short(document.get('v'))} (client plugin "
+            f"{_short(document.get('plugin'))}); this engine reads version {ENVELOPE_VERSION} "
             f"(plugin {plugin_version}). Install the same vllm-nnsight-plugin version "
             "on the client and the server."
         )
@@ -215,7 +238,7 @@ def open_envelope(
         raise EnvelopeError(f"the envelope is malformed: {_problems(error)}") from None
     if envelope.nnsight != nnsight_version:
         raise EnvelopeError(
-            f"the block was written with nnsight {envelope.nnsight} but this engine runs "
+            f"the block was written with nnsight {_short(envelope.nnsight)} but this engine runs "
             f"nnsight {nnsight_version}; nnsight can only read blocks from its own "
             f"version. Install nnsight=={nnsight_version} on the client."
         )

@@ -7,8 +7,9 @@ traceback), so the client re-raises it exactly as a local run would.
 
 The client reads the blob with ``torch.load(weights_only=True)``: a server can
 hand back tensors, containers, numbers, strings and vLLM's ``RequestOutput``
-(for ``tracer.result``) but not arbitrary objects, so a hostile server cannot
-run code on the client. ``VLLM_NNSIGHT_TRUST_SERVER=1`` lifts that for saves of
+(for ``tracer.result``; read as a :class:`Record` of the same fields where the
+client has no vLLM) but not arbitrary objects, so a hostile server cannot run
+code on the client. ``VLLM_NNSIGHT_TRUST_SERVER=1`` lifts that for saves of
 other types, from a server you trust.
 """
 
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import base64
 import io
-import os
 from typing import Any, NamedTuple
 
 #: The field the saves ride in, on responses and on the final stream event.
@@ -71,9 +71,30 @@ def _allowed(name: str) -> type | None:
         return None
     try:
         found = getattr(importlib.import_module(module), attribute)
-    except (ImportError, AttributeError):  # a client without vLLM reads tensors only
+    except ImportError:  # a client without vLLM: the record's fields, as attributes
+        return _record_class(module, attribute) if attribute.isidentifier() else None
+    except AttributeError:
         return None
     return found if isinstance(found, type) else None
+
+
+class Record:
+    """One of vLLM's output records (a ``RequestOutput``, its ``CompletionOutput``s),
+    read by a client that has no vLLM: the same fields, as plain attributes."""
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={value!r}" for name, value in vars(self).items())
+        return f"{type(self).__name__}({fields})"
+
+
+_RECORDS: dict[tuple[str, str], type] = {}
+
+
+def _record_class(module: str, name: str) -> type:
+    found = _RECORDS.get((module, name))
+    if found is None:  # named as vLLM names it: that is how a weights-only load asks for it
+        found = _RECORDS[(module, name)] = type(name, (Record,), {"__module__": module, "__qualname__": name})
+    return found
 
 
 def decode_request(document: dict) -> DecodedSaves:
@@ -83,7 +104,9 @@ def decode_request(document: dict) -> DecodedSaves:
     import torch
 
     raw = base64.b64decode(document["saves"])
-    trusted = os.environ.get(TRUST_SERVER_ENV, "").strip().lower() in ("1", "true", "yes")
+    from ..settings import value
+
+    trusted = bool(value(TRUST_SERVER_ENV))
     allowed: list[type] = []
     while True:
         try:

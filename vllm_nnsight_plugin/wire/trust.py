@@ -32,7 +32,7 @@ import secrets
 import threading
 import time
 
-from .envelope import EXTRA_ARGS_KEY, Envelope, operator_signature
+from .envelope import EXTRA_ARGS_KEY, Envelope, operator_signature, split_signature
 
 #: The environment variable holding the engine's local key.
 LOCAL_KEY_ENV = "VLLM_NNSIGHT_LOCAL_KEY"
@@ -100,7 +100,9 @@ def local_key() -> str | None:
     """This process's local key, read from the environment once and then kept."""
     global _LOCAL_KEY
     if _LOCAL_KEY is None:
-        _LOCAL_KEY = os.environ.get(LOCAL_KEY_ENV) or None
+        from ..settings import value
+
+        _LOCAL_KEY = value(LOCAL_KEY_ENV) or None
     return _LOCAL_KEY
 
 
@@ -165,9 +167,16 @@ def operator_key(value: str | None = None) -> str | None:
     contents of ``VLLM_NNSIGHT_KEY_FILE``; None when none is set (blocks off)."""
     if value:
         return value
-    if os.environ.get(OPERATOR_KEY_ENV):
-        return os.environ[OPERATOR_KEY_ENV]
-    path = os.environ.get(OPERATOR_KEY_FILE_ENV)
+    from ..settings import SettingError
+    from ..settings import value as setting
+
+    key = setting(OPERATOR_KEY_ENV)
+    if key:
+        return key
+    try:
+        path = setting(OPERATOR_KEY_FILE_ENV)
+    except SettingError:  # the file is gone: no key, blocks off
+        return None
     if path:
         try:
             with open(path, encoding="utf-8") as handle:
@@ -178,7 +187,9 @@ def operator_key(value: str | None = None) -> str | None:
 
 
 def max_ttl_s() -> float:
-    return float(os.environ.get(MAX_TTL_ENV) or DEFAULT_MAX_TTL_S)
+    from ..settings import value
+
+    return float(value(MAX_TTL_ENV))
 
 
 class NonceBook:
@@ -200,10 +211,9 @@ class NonceBook:
             return True
 
 
-def check_operator(envelope: Envelope, key: str, nonces: NonceBook, now: float | None = None) -> None:
-    """Raise :class:`UntrustedBlockError` unless the envelope is signed with ``key``,
-    unexpired, within the server's lifetime limit, and not seen before."""
-    now = time.time() if now is None else now
+def check_operator_signature(value: object, key: str) -> None:
+    """Raise :class:`UntrustedBlockError` unless the envelope's text is signed with
+    ``key``. Reads nothing inside it: a sender without the key gets no further."""
     if len(key) < MIN_KEY_CHARS:
         raise UntrustedBlockError(
             f"the server's operator key is shorter than {MIN_KEY_CHARS} characters, so "
@@ -211,16 +221,24 @@ def check_operator(envelope: Envelope, key: str, nonces: NonceBook, now: float |
             "VLLM_NNSIGHT_KEY_FILE, e.g. "
             "`python -c 'import secrets; print(secrets.token_hex(32))'`)."
         )
-    if envelope.sig is None:
+    body, signature = split_signature(value) if isinstance(value, str) else ("", None)
+    if signature is None:
         raise UntrustedBlockError(
             "the block is not signed. This server runs blocks signed with its operator "
             "key only: pass key=... to the client or set VLLM_NNSIGHT_KEY where it runs."
         )
-    if not _same(operator_signature(envelope, key), envelope.sig):
+    if not _same(operator_signature(body, key), signature):
         raise UntrustedBlockError(
             "the block's signature does not match this server's operator key (a wrong "
             "key, or the envelope was changed on the way)."
         )
+
+
+def check_lifetime(envelope: Envelope, nonces: NonceBook, now: float | None = None) -> None:
+    """Raise :class:`UntrustedBlockError` unless a signed envelope is unexpired,
+    within the server's lifetime limit, made since the server started serving, and
+    not seen before (its signature checked already)."""
+    now = time.time() if now is None else now
     if envelope.expires is None or envelope.nonce is None or not math.isfinite(envelope.expires):
         raise UntrustedBlockError("a signed block needs a finite expiry and a nonce; build it again.")
     if envelope.expires < now:
@@ -230,7 +248,31 @@ def check_operator(envelope: Envelope, key: str, nonces: NonceBook, now: float |
             f"the signed block is valid for {envelope.expires - now:.0f} s, over this "
             f"server's limit of {max_ttl_s():.0f} s ({MAX_TTL_ENV}); sign with a shorter ttl."
         )
+    if not made_since_serving(envelope.created):
+        raise UntrustedBlockError(
+            "the signed block was made before this server started serving (a replay across "
+            "a restart, or a clock far behind the server's); build the request again."
+        )
     if not nonces.claim(envelope.nonce, envelope.expires, now):
         raise UntrustedBlockError(
             "this signed block was already used (a replay); every request needs a fresh one."
         )
+
+
+#: When this process began serving (``mark_serving``, as the server's app is built,
+#: after its engine is up); until then, when this module was imported.
+_SERVING_SINCE = time.time()
+
+
+def mark_serving(now: float | None = None) -> None:
+    """From now on, refuse signed envelopes and commands made before now (less the
+    clock skew allowed): nothing used before a restart runs again after it."""
+    global _SERVING_SINCE
+    _SERVING_SINCE = time.time() if now is None else now
+
+
+def made_since_serving(created: float) -> bool:
+    """Whether something signed at ``created`` (the sender's clock) can be new here."""
+    from ..settings import value
+
+    return math.isfinite(created) and created >= _SERVING_SINCE - float(value("VLLM_NNSIGHT_CLOCK_SKEW_S"))

@@ -63,6 +63,7 @@ __all__ = [
     "provide_samples",
     "reads_are_copies",
     "still_running",
+    "time_switches",
 ]
 
 #: ``(module, attribute path)`` of every nnsight name this module relies on that
@@ -71,6 +72,7 @@ TOUCHES: tuple[tuple[str, str], ...] = (
     ("nnsight.intervention.interleaver", "Mediator.__setstate__"),
     ("nnsight.intervention.interleaver", "Mediator.__init__"),
     ("nnsight.intervention.interleaver", "Mediator.alive"),
+    ("nnsight.intervention.interleaver", "Mediator.switch"),
     ("nnsight.intervention.interleaver", "Interleaver.reindex"),
     ("nnsight.intervention.interleaver", "Interleaver.__enter__"),
     ("nnsight.intervention.interleaver", "Interleaver.__exit__"),
@@ -275,6 +277,26 @@ def finish_erred(requests: Any, sampled: Any, eos: int) -> None:
 def is_out_of_order(error: Any) -> bool:
     """Whether a captured block error is nnsight's "location never reached"."""
     return error is not None and "OutOfOrder" in repr(error)
+
+
+def time_switches(watch: Any) -> None:
+    """Every switch into a block's code is timed by ``watch`` (``budget.py``):
+    nnsight runs a block only inside ``Mediator.switch``. Once per process."""
+    original = Mediator.switch
+    if getattr(original, "_vllm_nnsight_timed", False):
+        return
+
+    def switch(self: Any, *args: Any) -> Any:
+        watch.enter(self)
+        try:
+            return original(self, *args)
+        except watch.stop as stop:
+            raise watch.error(stop) from None
+        finally:
+            watch.leave()
+
+    switch._vllm_nnsight_timed = True  # type: ignore[attr-defined]
+    Mediator.switch = switch
 
 
 # ---------------------------------------------------------------------- collect

@@ -21,6 +21,7 @@ from ..returns.stacked import shared_tensors, stack_entry
 from ..wire.envelope import Limits
 from . import _nnsight as nns
 from .admit import RequestIndex
+from .budget import PackStop, Watchdog
 from .errors import CompiledForwardError, SaveLimitError, UnsendableSaveError
 
 #: An uncollected block is dropped once its request has been finished this many
@@ -57,7 +58,12 @@ def wind_up(
 
 
 def pack(
-    request_id: str, entry: dict | None, limits: Limits, compiled_miss: str | None, pooler: Pooler
+    request_id: str,
+    entry: dict | None,
+    limits: Limits,
+    compiled_miss: str | None,
+    pooler: Pooler,
+    watch: Watchdog | None = None,
 ) -> bytes:
     """One request's reply, pickled as the front end reads it; its tensors go to
     ``pooler`` (one pool per collect, sent as the last part: :func:`pool_part`).
@@ -69,10 +75,15 @@ def pack(
         return pickle.dumps({})
     if compiled_miss is not None and nns.is_out_of_order(entry.get("error")):
         entry["error"] = nns.capture_exception(CompiledForwardError(compiled_miss))
+    if watch is not None:
+        watch.enter(entry)
     try:
         shared = shared_tensors(entry)
         swapped, taken = (entry, {}) if shared is None else pooler.swap(stack_entry(entry, shared), shared)
         part = nns.dumps_compact({request_id: swapped})
+    except PackStop as stop:
+        error = watch.error(stop) if watch is not None else RuntimeError(str(stop))
+        return pickle.dumps({request_id: {**empty_entry(), "error": nns.capture_exception(error)}})
     except Exception as error:  # the block's state is already wound up
         unsent = UnsendableSaveError(
             f"a value request {request_id} saved could not be sent back from the "
@@ -80,6 +91,9 @@ def pack(
             "values, not modules, parameters or objects holding them."
         )
         return pickle.dumps({request_id: {**empty_entry(), "error": nns.capture_exception(unsent)}})
+    finally:
+        if watch is not None:
+            watch.leave()
     size = len(part) + sum(tensor.numel() * tensor.element_size() for tensor in taken.values())
     if size > limits.max_save_bytes:
         over = SaveLimitError(

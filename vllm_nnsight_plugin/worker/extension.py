@@ -133,6 +133,19 @@ class NNsightWorkerExtension(metaclass=_OwnNames):
 
         return listed(runtime_of(self.model_runner).requests)
 
+    def nnsight_tree(self) -> dict:
+        """The live model's module tree and the tokenizer's files, for a client
+        with no vLLM (``wire/tree.py``)."""
+        from .. import seams
+        from ..wire.tree import TREE_VERSION, describe, tokenizer_files
+
+        runner = self.model_runner
+        return {
+            "version": TREE_VERSION,
+            "modules": describe(seams.model_of(runner)),
+            "tokenizer": tokenizer_files(seams.tokenizer_of(runner)),
+        }
+
     def nnsight_tracked(self) -> int:
         return runtime_of(self.model_runner).tracked()
 

@@ -30,14 +30,14 @@ never imports nnsight).
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 from typing import Any
 
-from .. import seams
+from .. import seams, settings
 from ..taps.spec import RUNNER_ATTR
 from ..wire.envelope import Limits
 from ..wire.references import envoy_references
+from .budget import watchdogs
 from .edits import marked
 from .lowering import OUTPUT, Lowering
 from .refusals import refuse_chunked
@@ -48,7 +48,6 @@ from .writes import writes
 logger = logging.getLogger("vllm_nnsight_plugin")
 
 _UNCOLLECTED_ENV = "VLLM_NNSIGHT_UNCOLLECTED_S"
-_FALSY = {"", "0", "false", "no", "off"}
 #: ``0`` keeps every step compiled: a module location is then refused, not served.
 _EAGER_STEPS_ENV = "VLLM_NNSIGHT_EAGER_STEPS"
 
@@ -73,7 +72,7 @@ class WorkerRuntime:
         # (module hooks fire there and nowhere else); every other step keeps the
         # engine's CUDA graphs and compiled code.
         # Unset or empty: on (an empty value is how a shell unsets it for a child).
-        self.eager_steps = (os.environ.get(_EAGER_STEPS_ENV) or "1").strip().lower() not in _FALSY
+        self.eager_steps = bool(settings.value(_EAGER_STEPS_ENV))
         self.python_steps = 0
         self.resumed = self.preempted = 0  # requests resumed after a preemption; blocks it ended
         self.recomputing: set[str] = set()  # resumed requests whose blocks go on, until the recompute ends
@@ -82,7 +81,8 @@ class WorkerRuntime:
         self.kernels: Any = None  # the eager kernels for a compiled engine's Python steps
         self.lowering = Lowering(runner)  # requests whose blocks run on the tap tables
         self.step: Step | None = None
-        self.uncollected = Uncollected(float(os.environ.get(_UNCOLLECTED_ENV) or 30.0))
+        self.uncollected = Uncollected(float(settings.value(_UNCOLLECTED_ENV)))
+        self.step_watch, self.pack_watch = watchdogs()
 
     # ------------------------------------------------------------------ setup
     def _build(self) -> None:
@@ -96,6 +96,7 @@ class WorkerRuntime:
         runner = self.runner
         module = seams.model_of(runner)
         self.model = nns.build_model(module, seams.tokenizer_of(runner), CheckedBatcher(None))
+        nns.time_switches(self.step_watch)
         self.requests = nns.new_requests()
         self.index = RequestIndex()
         self.persistent = {**nns.persistent_objects(self.model), **envoy_references(self.model)}
@@ -119,6 +120,7 @@ class WorkerRuntime:
             self.abandon_step()
         if self.kernels is not None:
             self.kernels.restore()
+        self.step_watch.new_step()
         if self.requests is not None and self.requests.requests:
             stale = self.uncollected.step(seams.finished_ids(scheduler_output), self.requests.requests)
             if stale:
@@ -385,7 +387,7 @@ class WorkerRuntime:
         # location "already run past" is the block's own order (layer 20, then 10).
         miss = None if self.eager or self.eager_steps else self._compiled_miss()
         pooler = Pooler()
-        parts = [pack(rid, entries.get(rid), self.limits, miss, pooler) for rid in request_ids]
+        parts = [pack(rid, entries.get(rid), self.limits, miss, pooler, self.pack_watch) for rid in request_ids]
         return parts + pool_part(pooler)
 
     def _compiled_miss(self) -> str:

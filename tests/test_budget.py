@@ -1,0 +1,119 @@
+"""The time budget's watchdog, without an engine: it stops code that runs over,
+never raises outside the code it times, and counts per step. An engine whose
+blocks loop forever is in ``test_hostile_blocks.py``."""
+
+from __future__ import annotations
+
+import functools
+import random
+import time
+
+import pytest
+
+from vllm_nnsight_plugin.worker.budget import StepBudgetError, StepStop, Watchdog
+
+
+def watchdog(budget_s: float) -> Watchdog:
+    return Watchdog(budget_s, StepStop, StepBudgetError, f"over {budget_s} s")
+
+
+def run(watch: Watchdog, owner, body):
+    """``body`` as the runtime runs request code: a stop becomes the request's error."""
+    watch.enter(owner)
+    try:
+        return body()
+    except watch.stop as stop:
+        raise watch.error(stop) from None
+    finally:
+        watch.leave()
+
+
+class Owner:
+    pass
+
+
+def spin(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+def test_a_loop_that_never_ends_is_stopped_with_the_budget_named():
+    watch, owner = watchdog(0.3), Owner()
+
+    def forever():
+        while True:
+            pass
+
+    started = time.monotonic()
+    with pytest.raises(StepBudgetError, match="over 0.3 s"):
+        run(watch, owner, forever)
+    assert 0.3 <= time.monotonic() - started < 2.0
+
+
+def test_except_exception_does_not_swallow_the_stop():
+    watch = watchdog(0.2)
+
+    def careless():
+        while True:
+            try:
+                sum(range(1000))
+            except Exception:
+                pass
+
+    with pytest.raises(StepBudgetError):
+        run(watch, Owner(), careless)
+
+
+def test_a_stop_never_lands_outside_the_code_it_times():
+    """Stretches that straddle the deadline, thousands of times: every stop is
+    raised inside a stretch, none in the code between them."""
+    watch = watchdog(0.002)
+    inside = outside = 0
+    rng = random.Random(0)
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline:
+        owner = Owner()
+        watch.new_step()
+
+        try:
+            run(watch, owner, functools.partial(spin, rng.uniform(0.0, 0.004)))
+        except StepBudgetError:
+            inside += 1
+        try:
+            spin(0.001)
+        except BaseException:
+            outside += 1
+    assert inside > 10
+    assert outside == 0
+
+
+def test_the_budget_is_per_step_and_per_owner():
+    watch, owner, other = watchdog(0.5), Owner(), Owner()
+    run(watch, owner, lambda: time.sleep(0.3))
+    run(watch, other, lambda: time.sleep(0.3))  # its own budget
+    with pytest.raises(StepBudgetError):  # 0.3 + 0.3 > 0.5 within one step
+        run(watch, owner, lambda: [time.sleep(0.05) for _ in range(10)])
+    watch.new_step()
+    run(watch, owner, lambda: time.sleep(0.3))
+
+
+def test_a_long_native_call_is_stopped_when_it_returns():
+    watch = watchdog(0.2)
+    started = time.monotonic()
+    with pytest.raises(StepBudgetError):
+        run(watch, Owner(), lambda: [time.sleep(0.5), sum(range(10))])
+    assert time.monotonic() - started >= 0.5
+
+
+def test_off_times_nothing():
+    watch = watchdog(0)
+    assert run(watch, Owner(), lambda: 3) == 3
+    assert watch._watcher is None
+
+
+def test_an_owner_that_cannot_be_weakly_referenced_is_timed_too():
+    watch = watchdog(0.2)
+    assert run(watch, {"saves": 1}, lambda: 3) == 3
+    with pytest.raises(StepBudgetError):
+        run(watch, {"saves": 1}, lambda: [time.sleep(0.3), 1])

@@ -1,0 +1,191 @@
+"""A time budget for the code a request brings: its block, each step, and the
+packing of its saves.
+
+A block runs in the engine's own thread (nnsight's greenlets), so one that never
+returns holds the whole engine. :class:`Watchdog` times every stretch of a
+request's code (:meth:`Watchdog.running`), adds the stretches of one step up per
+request, and when a request is over its budget, a watchdog thread raises a
+:class:`BudgetStop` in the engine's thread, where the request's code is running.
+A ``BaseException``, so an ``except Exception`` in the block does not swallow it;
+where the request's code was called from, it becomes a :class:`BudgetError`,
+that request's error like any its block raises: the request fails, its
+co-tenants carry on.
+
+What this cannot stop: code inside one long native call (a ``time.sleep``, a
+huge matrix product, a blocking read) gets the error only when that call
+returns, since Python raises it between bytecodes; code that catches every
+exception and carries on is sent the error again, once a second, until it
+stops (a bare ``except:`` that loops on is the one thing it cannot end). Operators who need a hard stop run the engine under a supervisor that
+restarts it (vLLM exits when its engine core stops answering).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+import weakref
+from typing import Any
+
+#: How often a block that swallowed the error is sent it again.
+_AGAIN_S = 1.0
+
+
+class BudgetStop(BaseException):
+    """Raised in the engine's thread inside the request's code (by class: Python's
+    asynchronous raise takes no instance); :meth:`Watchdog.error` turns it into
+    the request's :class:`BudgetError` where that code was called."""
+
+
+class StepStop(BudgetStop):
+    pass
+
+
+class PackStop(BudgetStop):
+    pass
+
+
+class BudgetError(RuntimeError):
+    """A request's code ran past one of the engine's time budgets and was stopped."""
+
+
+class StepBudgetError(BudgetError):
+    """A block ran past ``VLLM_NNSIGHT_STEP_BUDGET_S`` within one step."""
+
+
+class PackBudgetError(BudgetError):
+    """Packing a request's saves ran past ``VLLM_NNSIGHT_PACK_BUDGET_S``."""
+
+
+def _raise_in(thread_id: int, exception: type[BaseException] | None) -> None:
+    """Raise ``exception`` in the thread (None withdraws one not raised yet)."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(thread_id), ctypes.py_object(exception) if exception is not None else None
+    )
+
+
+class Watchdog:
+    """Times request code and stops what runs over; one per budget per worker.
+
+    The hot path (:meth:`enter`, :meth:`leave`, around every switch into a block)
+    takes one uncontended lock each; the watcher thread looks ten times a budget.
+    The lock is what makes the raise safe: the watcher raises only while it holds
+    it and request code is running, and :meth:`leave` withdraws any raise not yet
+    delivered before it lets go, so the error never lands in the engine's code.
+    """
+
+    def __init__(self, budget_s: float, stop: type[BudgetStop], error: type[BudgetError], message: str) -> None:
+        self.budget_s = budget_s
+        self.stop = stop
+        self._error, self._message = error, message
+        self.on = budget_s > 0
+        self._lock = threading.Lock()
+        self._spent: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
+        self._owner: Any = None  # whose code is running now (the outermost entry)
+        self._thread = 0
+        self._started = self._deadline = self._raised_at = 0.0
+        self._depth = 0
+        self.stopped = 0  # how many times an error was raised
+        self._watcher: threading.Thread | None = None
+
+    def _spent_by(self, owner: Any) -> float:
+        try:
+            return self._spent.get(owner, 0.0)
+        except TypeError:  # an owner that cannot be weakly referenced keeps no account
+            return 0.0
+
+    def error(self, stop: BudgetStop) -> BudgetError:
+        """The request's error for a stop raised in its code, with the stop's traceback
+        (which shows the line of the block it was stopped at)."""
+        with self._lock:  # caught: no second raise while the error is made
+            _raise_in(self._thread, None)
+            self._raised_at = float("inf")
+        error = self._error(self._message)
+        error.__intervention_tb__ = getattr(stop, "__intervention_tb__", stop.__traceback__)  # type: ignore[attr-defined]
+        return error.with_traceback(stop.__traceback__)
+
+    def new_step(self) -> None:
+        """Budgets are per step: what each request spent so far is forgotten."""
+        with self._lock:
+            self._spent.clear()
+
+    def enter(self, owner: Any) -> None:
+        """``owner``'s code (a block's mediator, a request's saves) starts running."""
+        if not self.on:
+            return
+        with self._lock:
+            self._depth += 1
+            if self._depth > 1:
+                return
+            now = time.monotonic()
+            self._owner, self._thread, self._started = owner, threading.get_ident(), now
+            self._deadline = now + self.budget_s - self._spent_by(owner)
+            self._raised_at = 0.0
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch, name="vllm-nnsight-budget", daemon=True)
+            self._watcher.start()
+
+    def leave(self) -> None:
+        """The code :meth:`enter` announced returned (or raised)."""
+        if not self.on:
+            return
+        while True:  # a raise delivered on the way in here is this code's too: go on leaving
+            try:
+                self._leave()
+                return
+            except BudgetStop:
+                continue
+
+    def _leave(self) -> None:
+        with self._lock:
+            if self._raised_at:
+                _raise_in(self._thread, None)
+            if self._depth == 0:
+                return  # already left, on a try this raise interrupted
+            self._depth -= 1
+            if self._depth:
+                return
+            owner, self._owner = self._owner, None
+            try:
+                self._spent[owner] = self._spent_by(owner) + time.monotonic() - self._started
+            except TypeError:  # an owner that cannot be weakly referenced keeps no account
+                pass
+
+    def _watch(self) -> None:
+        interval = min(0.1, self.budget_s / 10)
+        while True:
+            time.sleep(interval)
+            with self._lock:
+                if self._owner is None:
+                    continue
+                now = time.monotonic()
+                due = self._raised_at + _AGAIN_S if self._raised_at else self._deadline
+                if now >= due:
+                    _raise_in(self._thread, self.stop)
+                    self._raised_at = now
+                    self.stopped += 1
+
+
+def watchdogs() -> tuple[Watchdog, Watchdog]:
+    """The step budget's watchdog and the packing budget's, as the settings say."""
+    from ..settings import value
+
+    step_s, pack_s = float(value("VLLM_NNSIGHT_STEP_BUDGET_S")), float(value("VLLM_NNSIGHT_PACK_BUDGET_S"))
+    step = Watchdog(
+        step_s,
+        StepStop,
+        StepBudgetError,
+        f"the block ran past this engine's budget of {step_s:g} s for one step "
+        "(VLLM_NNSIGHT_STEP_BUDGET_S) and was stopped; the engine's other requests went on. "
+        "A loop that never ends, or work too slow for one step: save the tensors and do "
+        "the heavy work at home.",
+    )
+    pack = Watchdog(
+        pack_s,
+        PackStop,
+        PackBudgetError,
+        f"packing this request's saves ran past this engine's budget of {pack_s:g} s "
+        "(VLLM_NNSIGHT_PACK_BUDGET_S), so they were dropped. Save tensors and plain "
+        "values: an object whose pickling runs long cannot be sent back.",
+    )
+    return step, pack
