@@ -48,3 +48,24 @@ def test_the_demo_prints_its_results_and_little_else():
     assert "next token from the logits: ' Paris'" in result.stdout
     assert "steered:" in result.stdout
     assert not [line for line in result.stderr.splitlines() if " INFO " in line or "%|" in line]
+
+
+def test_a_bad_setting_stops_vllm_at_start_and_doctor_names_it(tiny_qwen3_path, tmp_path):
+    """A value the plugin cannot use is refused where vLLM loads the plugin: the
+    server does not start, and its log says which variable and what form it takes
+    (a key's value is never shown)."""
+    import pytest
+
+    from tests.servers import start_server
+
+    env = {"VLLM_NNSIGHT_MAX_SAVE_BYTES": "lots", "VLLM_NNSIGHT_KEY": "k" * 64}
+    log = tmp_path / "server.log"
+    with pytest.raises(RuntimeError, match="exited"):
+        start_server(tiny_qwen3_path, str(log), env=env)
+    text = log.read_text()
+    assert "VLLM_NNSIGHT_MAX_SAVE_BYTES ('lots') must be a whole number of bytes" in text
+    assert "k" * 64 not in text
+
+    doctor = cli("doctor", env={"VLLM_NNSIGHT_STEP_BUDGET_S": "-1"}, timeout=120)
+    assert doctor.returncode == 1
+    assert "wrong (vLLM will not start): VLLM_NNSIGHT_STEP_BUDGET_S" in doctor.stdout

@@ -285,11 +285,20 @@ def test_a_block_through_any_other_endpoint_is_refused_unread(armed, tmp_path):
     blocks, and a signature copied from a log does not make it one."""
     envelope = canary_envelope(tmp_path / "r", key=KEY)
     forged = {"nnsight": envelope, "nnsight_local_sig": "0" * 64}
-    body = {"model": model_name(armed), "input": PROMPT, "max_output_tokens": 4, "vllm_xargs": forged}
-    response = httpx.post(f"{armed.url}/v1/responses", json=body, timeout=120)
-    assert response.status_code == 400, response.text
-    assert "neither built in this process" in response.text
+    name = model_name(armed)
+    for path, body in (
+        ("/v1/responses", {"model": name, "input": PROMPT, "max_output_tokens": 4, "vllm_xargs": forged}),
+        ("/v1/responses", {"model": name, "input": PROMPT, "stream": True, "vllm_xargs": {"nnsight": envelope}}),
+        ("/v1/messages", {"model": name, "max_tokens": 4, "messages": [{"role": "user", "content": PROMPT}],
+                          "vllm_xargs": {"nnsight": envelope}}),
+    ):
+        response = httpx.post(f"{armed.url}{path}", json=body, timeout=120)
+        assert response.status_code == 400, (path, response.text)  # before any stream starts
+        assert response.json()["error"]["type"] == "NNsightBadEnvelope"
+        assert "does not take nnsight blocks" in response.text
     assert not (tmp_path / "r").exists()
+    plain = {"model": name, "input": PROMPT, "max_output_tokens": 4, "vllm_xargs": {"other": "x"}}
+    assert httpx.post(f"{armed.url}/v1/responses", json=plain, timeout=120).status_code == 200
     assert tracked(armed) == 0
     assert_still_serving(armed)
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from http import HTTPStatus
+from typing import Any
 
 from ..versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT
 from ..wire.envelope import (
@@ -58,6 +59,17 @@ class Refusal:
     status: HTTPStatus
     kind: str
     message: str
+
+
+def large(xargs: Any) -> bool:
+    """Whether checking this request's block costs enough to move off the event loop."""
+    value = xargs.get(EXTRA_ARGS_KEY) if isinstance(xargs, dict) else None
+    return isinstance(value, str) and len(value) > _LARGE_CHARS
+
+
+#: An envelope longer than this is checked on a worker thread (an HMAC over 1 MB
+#: is about a millisecond).
+_LARGE_CHARS = 1 << 20
 
 
 def admit(xargs: dict, *, beam_search: bool = False) -> Refusal | None:
@@ -99,3 +111,66 @@ def admit(xargs: dict, *, beam_search: bool = False) -> Refusal | None:
         return Refusal(HTTPStatus.BAD_REQUEST, "NNsightBadEnvelope", str(error))
     xargs[VOUCHED_KEY] = Vouched(value)
     return None
+
+
+# ---------------------------------------------------------------------- other routes
+#: Routes that take ``vllm_xargs`` but answer in a shape the saves cannot ride
+#: (the Responses API, Anthropic's Messages API): a block sent to one is refused
+#: before vLLM reads the request, so a stream is never started and then cut.
+NO_BLOCK_ROUTES = ("/v1/responses", "/v1/messages")
+
+
+def names_a_block(body: bytes) -> bool:
+    """Whether a request body carries a block in ``vllm_xargs`` (read only when the
+    key's name appears in it at all; a body that does not parse is vLLM's to refuse)."""
+    import json
+
+    if EXTRA_ARGS_KEY.encode() not in body:
+        return False
+    try:
+        document = json.loads(body)
+    except (ValueError, RecursionError):
+        return False
+    xargs = document.get("vllm_xargs") if isinstance(document, dict) else None
+    return isinstance(xargs, dict) and EXTRA_ARGS_KEY in xargs
+
+
+class NoBlocksElsewhere:
+    """ASGI middleware: a POST to one of :data:`NO_BLOCK_ROUTES` carrying a block
+    gets a 400 ``NNsightBadEnvelope`` naming the routes that take blocks."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") not in NO_BLOCK_ROUTES:
+            await self.app(scope, receive, send)
+            return
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            if message.get("type") != "http.request":  # the client went away
+                return
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        if names_a_block(body):
+            from fastapi.responses import JSONResponse
+
+            message = (
+                f"{scope['path']} does not take nnsight blocks (its answer has no place for their "
+                "saves); send them to /v1/completions or /v1/chat/completions."
+            )
+            error = {"message": message, "type": "NNsightBadEnvelope", "code": HTTPStatus.BAD_REQUEST.value}
+            await JSONResponse({"error": error}, HTTPStatus.BAD_REQUEST.value)(scope, receive, send)
+            return
+        sent = False
+
+        async def replay() -> dict:
+            nonlocal sent
+            if sent:
+                return await receive()
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)

@@ -19,6 +19,7 @@ did:
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import json
 from collections.abc import AsyncIterator, Iterator
@@ -82,8 +83,11 @@ def error_text(error: dict) -> str:
     return "\n".join(lines)
 
 
-def finish(handler: Any, result: Any, collector: Collector) -> Any:
-    """Put the collected saves (or the block's error) on the handler's result."""
+async def finish(handler: Any, result: Any, collector: Collector) -> Any:
+    """Put the collected saves (or the block's error) on the handler's result.
+
+    Encoding saves can take long (``torch.save`` and base64 of every saved
+    tensor): it runs on a worker thread, never on the server's event loop."""
     if hasattr(result, "__aiter__"):
         return _stream(result, collector)
     if getattr(result, "error", None) is not None or not collector.outputs:
@@ -97,7 +101,7 @@ def finish(handler: Any, result: Any, collector: Collector) -> Any:
         )
         setattr(response, RESPONSE_FIELD, {"version": SAVES_VERSION, "error": error})
         return response
-    setattr(result, RESPONSE_FIELD, collector.document())
+    setattr(result, RESPONSE_FIELD, await asyncio.to_thread(collector.document))
     return result
 
 
@@ -130,7 +134,7 @@ async def _stream(chunks: Any, collector: Collector) -> AsyncIterator[str]:
         async for chunk in chunks:
             if isinstance(chunk, str) and chunk.startswith(_DONE):
                 if collector.outputs:
-                    yield _final_event(collector, last)
+                    yield await asyncio.to_thread(_final_event, collector, last)
             elif isinstance(chunk, str) and chunk.startswith("data: {"):
                 last = chunk
             yield chunk

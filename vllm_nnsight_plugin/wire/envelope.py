@@ -169,9 +169,9 @@ def too_large(value: object, limits: Limits) -> None:
         )
 
 
-def _short(value: object) -> str:
+def _short(value: object, *, quoted: bool = True) -> str:
     """A value from the input, as a refusal may show it: short."""
-    shown = repr(value)
+    shown = repr(value) if quoted or not isinstance(value, str) else value
     return shown if len(shown) <= 40 else shown[:37] + "..."
 
 
@@ -238,7 +238,7 @@ def open_envelope(
         raise EnvelopeError(f"the envelope is malformed: {_problems(error)}") from None
     if envelope.nnsight != nnsight_version:
         raise EnvelopeError(
-            f"the block was written with nnsight {_short(envelope.nnsight)} but this engine runs "
+            f"the block was written with nnsight {_short(envelope.nnsight, quoted=False)} but this engine runs "
             f"nnsight {nnsight_version}; nnsight can only read blocks from its own "
             f"version. Install nnsight=={nnsight_version} on the client."
         )

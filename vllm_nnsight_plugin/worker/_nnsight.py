@@ -64,6 +64,7 @@ __all__ = [
     "reads_are_copies",
     "still_running",
     "time_switches",
+    "saves_tracked",
 ]
 
 #: ``(module, attribute path)`` of every nnsight name this module relies on that
@@ -238,6 +239,11 @@ def open_save_scope() -> None:
     """A block's ``.save()`` needs an open trace scope on this thread; open one."""
     if not getattr(_local, "depth", 0):
         inc()
+
+
+def saves_tracked() -> int:
+    """How many objects nnsight's per-thread save set holds (a leak shows here)."""
+    return len(_saves())
 
 
 def clear_saves() -> None:

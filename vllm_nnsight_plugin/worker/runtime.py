@@ -421,6 +421,8 @@ class WorkerRuntime:
             "continued_blocks": self.continued,
             "recompute_chunks_sat_out": self.sat_out,
             "edits": 0 if self.requests is None else len(self.requests.templates),
+            "saves_tracked": 0 if self.model is None else nns.saves_tracked(),
+            "budget_stops": self.step_watch.stopped + self.pack_watch.stopped,
             "eager_kernels": 0 if self.kernels is None else len(self.kernels),
             **self.lowering.stats(),
             **lent(),
