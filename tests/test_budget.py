@@ -19,8 +19,8 @@ def watchdog(budget_s: float) -> Watchdog:
 
 def run(watch: Watchdog, owner, body):
     """``body`` as the runtime runs request code: a stop becomes the request's error."""
-    watch.enter(owner)
     try:
+        watch.enter(owner)
         return body()
     except watch.stop as stop:
         raise watch.error(stop) from None
@@ -117,3 +117,13 @@ def test_an_owner_that_cannot_be_weakly_referenced_is_timed_too():
     assert run(watch, {"saves": 1}, lambda: 3) == 3
     with pytest.raises(StepBudgetError):
         run(watch, {"saves": 1}, lambda: [time.sleep(0.3), 1])
+
+
+def test_an_idle_watchdog_does_not_wake():
+    """Between requests the watcher thread sleeps until it is needed: it must not
+    take the interpreter from the engine's thread (or from a test process)."""
+    watch = watchdog(0.5)
+    run(watch, Owner(), lambda: 1)
+    started = time.process_time()
+    time.sleep(0.5)
+    assert time.process_time() - started < 0.05  # CPU time of the whole process while it idled

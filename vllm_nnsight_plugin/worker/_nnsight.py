@@ -293,8 +293,8 @@ def time_switches(watch: Any) -> None:
         return
 
     def switch(self: Any, *args: Any) -> Any:
-        watch.enter(self)
         try:
+            watch.enter(self)
             return original(self, *args)
         except watch.stop as stop:
             raise watch.error(stop) from None

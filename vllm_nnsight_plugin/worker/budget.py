@@ -13,22 +13,20 @@ co-tenants carry on.
 
 What this cannot stop: code inside one long native call (a ``time.sleep``, a
 huge matrix product, a blocking read) gets the error only when that call
-returns, since Python raises it between bytecodes; code that catches every
-exception and carries on is sent the error again, once a second, until it
-stops (a bare ``except:`` that loops on is the one thing it cannot end). Operators who need a hard stop run the engine under a supervisor that
+returns, since Python raises it between bytecodes; and a bare ``except:`` that
+swallows it and carries on is not stopped (the stop is raised once per stretch
+of code, so that it can never land anywhere but in that code). Operators who need a hard stop run the engine under a supervisor that
 restarts it (vLLM exits when its engine core stops answering).
 """
 
 from __future__ import annotations
 
 import ctypes
+import queue
 import threading
 import time
 import weakref
 from typing import Any
-
-#: How often a block that swallowed the error is sent it again.
-_AGAIN_S = 1.0
 
 
 class BudgetStop(BaseException):
@@ -68,10 +66,13 @@ class Watchdog:
     """Times request code and stops what runs over; one per budget per worker.
 
     The hot path (:meth:`enter`, :meth:`leave`, around every switch into a block)
-    takes one uncontended lock each; the watcher thread looks ten times a budget.
-    The lock is what makes the raise safe: the watcher raises only while it holds
-    it and request code is running, and :meth:`leave` withdraws any raise not yet
-    delivered before it lets go, so the error never lands in the engine's code.
+    takes one uncontended lock each. The lock is what makes the raise safe: the
+    watcher raises only while it holds it and request code is running, and
+    :meth:`leave` withdraws a raise not yet delivered before it lets go, so the
+    stop never lands in the engine's own code. Everything the engine's thread
+    runs while holding the lock, and everything it uses to wake the watcher, is C
+    (a plain lock, a ``SimpleQueue``): Python code there could take the stop
+    half-way through and leave the lock held.
     """
 
     def __init__(self, budget_s: float, stop: type[BudgetStop], error: type[BudgetError], message: str) -> None:
@@ -80,12 +81,14 @@ class Watchdog:
         self._error, self._message = error, message
         self.on = budget_s > 0
         self._lock = threading.Lock()
+        self._wake: queue.SimpleQueue = queue.SimpleQueue()
         self._spent: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
         self._owner: Any = None  # whose code is running now (the outermost entry)
         self._thread = 0
         self._started = self._deadline = self._raised_at = 0.0
         self._depth = 0
-        self.stopped = 0  # how many times an error was raised
+        self._sleeping_until: float | None = None  # the watcher's next look (None: until woken)
+        self.stopped = 0  # how many times a stop was raised
         self._watcher: threading.Thread | None = None
 
     def _spent_by(self, owner: Any) -> float:
@@ -97,9 +100,6 @@ class Watchdog:
     def error(self, stop: BudgetStop) -> BudgetError:
         """The request's error for a stop raised in its code, with the stop's traceback
         (which shows the line of the block it was stopped at)."""
-        with self._lock:  # caught: no second raise while the error is made
-            _raise_in(self._thread, None)
-            self._raised_at = float("inf")
         error = self._error(self._message)
         error.__intervention_tb__ = getattr(stop, "__intervention_tb__", stop.__traceback__)  # type: ignore[attr-defined]
         return error.with_traceback(stop.__traceback__)
@@ -110,26 +110,33 @@ class Watchdog:
             self._spent.clear()
 
     def enter(self, owner: Any) -> None:
-        """``owner``'s code (a block's mediator, a request's saves) starts running."""
+        """``owner``'s code (a block's mediator, a request's saves) starts running.
+
+        Call it inside the ``try`` whose ``finally`` calls :meth:`leave`: once it
+        has set the deadline, the stop may come at any bytecode, this method's own
+        last ones included."""
         if not self.on:
             return
+        wake = False
         with self._lock:
             self._depth += 1
-            if self._depth > 1:
-                return
-            now = time.monotonic()
-            self._owner, self._thread, self._started = owner, threading.get_ident(), now
-            self._deadline = now + self.budget_s - self._spent_by(owner)
-            self._raised_at = 0.0
+            if self._depth == 1:
+                now = time.monotonic()
+                self._owner, self._thread, self._started = owner, threading.get_ident(), now
+                self._deadline = now + self.budget_s - self._spent_by(owner)
+                self._raised_at = 0.0
+                wake = self._sleeping_until is None or self._deadline < self._sleeping_until
         if self._watcher is None:
             self._watcher = threading.Thread(target=self._watch, name="vllm-nnsight-budget", daemon=True)
             self._watcher.start()
+        elif wake:
+            self._wake.put(None)
 
     def leave(self) -> None:
         """The code :meth:`enter` announced returned (or raised)."""
         if not self.on:
             return
-        while True:  # a raise delivered on the way in here is this code's too: go on leaving
+        while True:  # a stop delivered on the way in here is this code's too: go on leaving
             try:
                 self._leave()
                 return
@@ -139,31 +146,38 @@ class Watchdog:
     def _leave(self) -> None:
         with self._lock:
             if self._raised_at:
-                _raise_in(self._thread, None)
+                _raise_in(self._thread, None)  # withdrawn if not delivered yet
             if self._depth == 0:
-                return  # already left, on a try this raise interrupted
+                return  # already left, on a try a stop interrupted
             self._depth -= 1
             if self._depth:
                 return
             owner, self._owner = self._owner, None
             try:
                 self._spent[owner] = self._spent_by(owner) + time.monotonic() - self._started
-            except TypeError:  # an owner that cannot be weakly referenced keeps no account
+            except TypeError:
                 pass
 
     def _watch(self) -> None:
-        interval = min(0.1, self.budget_s / 10)
+        """Sleeps while nothing runs, else until the running code's deadline: no
+        polling, so an idle engine (or a test process) pays nothing."""
         while True:
-            time.sleep(interval)
             with self._lock:
-                if self._owner is None:
-                    continue
                 now = time.monotonic()
-                due = self._raised_at + _AGAIN_S if self._raised_at else self._deadline
-                if now >= due:
-                    _raise_in(self._thread, self.stop)
+                if self._owner is None or self._raised_at:  # idle, or stopped already
+                    self._sleeping_until = None
+                elif now >= self._deadline:
+                    _raise_in(self._thread, self.stop)  # once per stretch of code
                     self._raised_at = now
                     self.stopped += 1
+                    self._sleeping_until = None
+                else:
+                    self._sleeping_until = self._deadline
+                until = self._sleeping_until
+            try:
+                self._wake.get(timeout=None if until is None else max(0.0, until - time.monotonic()))
+            except queue.Empty:
+                pass
 
 
 def watchdogs() -> tuple[Watchdog, Watchdog]:

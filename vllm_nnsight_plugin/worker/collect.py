@@ -75,9 +75,9 @@ def pack(
         return pickle.dumps({})
     if compiled_miss is not None and nns.is_out_of_order(entry.get("error")):
         entry["error"] = nns.capture_exception(CompiledForwardError(compiled_miss))
-    if watch is not None:
-        watch.enter(entry)
     try:
+        if watch is not None:
+            watch.enter(entry)
         shared = shared_tensors(entry)
         swapped, taken = (entry, {}) if shared is None else pooler.swap(stack_entry(entry, shared), shared)
         part = nns.dumps_compact({request_id: swapped})
