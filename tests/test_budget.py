@@ -127,3 +127,30 @@ def test_an_idle_watchdog_does_not_wake():
     started = time.process_time()
     time.sleep(0.5)
     assert time.process_time() - started < 0.05  # CPU time of the whole process while it idled
+
+
+def test_a_stop_taken_back_leaves_nothing_pending():
+    """A stop sent and taken back before it was raised: nothing is raised later,
+    and the interpreter runs at its usual speed afterwards (taking it back by
+    sending NULL would leave CPython checking for it at every bytecode boundary)."""
+    import threading
+
+    from vllm_nnsight_plugin.worker.budget import _raise_in, _withdraw
+
+    def loop() -> float:
+        started = time.perf_counter()
+        total = 0
+        for i in range(1_000_000):
+            total += i
+        return time.perf_counter() - started
+
+    before = min(loop() for _ in range(3))
+    try:  # as leave() does: a stop still in flight may be raised on the way in; it is caught
+        _raise_in(threading.get_ident(), StepStop)
+        _withdraw()
+    except StepStop:
+        pass
+    for _ in range(1000):  # nothing left to be raised
+        _ = [1]
+    after = min(loop() for _ in range(3))
+    assert after < 1.5 * before + 0.01

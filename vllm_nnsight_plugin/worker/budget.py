@@ -55,11 +55,33 @@ class PackBudgetError(BudgetError):
     """Packing a request's saves ran past ``VLLM_NNSIGHT_PACK_BUDGET_S``."""
 
 
-def _raise_in(thread_id: int, exception: type[BaseException] | None) -> None:
-    """Raise ``exception`` in the thread (None withdraws one not raised yet)."""
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(
-        ctypes.c_ulong(thread_id), ctypes.py_object(exception) if exception is not None else None
-    )
+class _Withdrawn(BaseException):
+    """Replaces a stop that was sent but not raised yet, and is raised (and caught)
+    at once in :func:`_withdraw`."""
+
+
+def _raise_in(thread_id: int, exception: type[BaseException]) -> None:
+    """Raise ``exception`` in the thread, at its next bytecode boundary."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exception))
+
+
+def _noop() -> None:
+    pass
+
+
+def _withdraw() -> None:
+    """Take back a stop sent to this thread and not raised yet.
+
+    Not by sending NULL: CPython then keeps the interpreter's "asynchronous
+    exception pending" flag set, and every thread pays a slow check at every
+    bytecode boundary from then on. A stand-in is sent in its place and raised
+    here, which clears the flag."""
+    try:
+        _raise_in(threading.get_ident(), _Withdrawn)
+        while True:  # raised at the next check: a call's entry
+            _noop()
+    except _Withdrawn:
+        pass
 
 
 class Watchdog:
@@ -87,6 +109,7 @@ class Watchdog:
         self._thread = 0
         self._started = self._deadline = self._raised_at = 0.0
         self._depth = 0
+        self._delivered = False  # the stop sent, if any, was raised
         self._sleeping_until: float | None = None  # the watcher's next look (None: until woken)
         self.stopped = 0  # how many times a stop was raised
         self._watcher: threading.Thread | None = None
@@ -100,6 +123,7 @@ class Watchdog:
     def error(self, stop: BudgetStop) -> BudgetError:
         """The request's error for a stop raised in its code, with the stop's traceback
         (which shows the line of the block it was stopped at)."""
+        self._delivered = True
         error = self._error(self._message)
         error.__intervention_tb__ = getattr(stop, "__intervention_tb__", stop.__traceback__)  # type: ignore[attr-defined]
         return error.with_traceback(stop.__traceback__)
@@ -125,6 +149,7 @@ class Watchdog:
                 self._owner, self._thread, self._started = owner, threading.get_ident(), now
                 self._deadline = now + self.budget_s - self._spent_by(owner)
                 self._raised_at = 0.0
+                self._delivered = False
                 wake = self._sleeping_until is None or self._deadline < self._sleeping_until
         if self._watcher is None:
             self._watcher = threading.Thread(target=self._watch, name="vllm-nnsight-budget", daemon=True)
@@ -141,12 +166,14 @@ class Watchdog:
                 self._leave()
                 return
             except BudgetStop:
+                self._delivered = True
                 continue
 
     def _leave(self) -> None:
         with self._lock:
-            if self._raised_at:
-                _raise_in(self._thread, None)  # withdrawn if not delivered yet
+            if self._raised_at and not self._delivered and self._thread == threading.get_ident():
+                _withdraw()
+                self._delivered = True
             if self._depth == 0:
                 return  # already left, on a try a stop interrupted
             self._depth -= 1
