@@ -120,13 +120,17 @@ def test_an_owner_that_cannot_be_weakly_referenced_is_timed_too():
 
 
 def test_an_idle_watchdog_does_not_wake():
-    """Between requests the watcher thread sleeps until it is needed: it must not
-    take the interpreter from the engine's thread (or from a test process)."""
+    """Between requests the watcher thread sleeps until it is needed (no timeout),
+    so it never takes the interpreter from the engine's thread."""
     watch = watchdog(0.5)
     run(watch, Owner(), lambda: 1)
-    started = time.process_time()
-    time.sleep(0.5)
-    assert time.process_time() - started < 0.05  # CPU time of the whole process while it idled
+    deadline = time.monotonic() + 2.0
+    while watch._sleeping_until is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert watch._sleeping_until is None  # waiting to be woken, not for a time
+    watch._wake.put(None)  # a spurious wake-up finds nothing to do and sleeps again
+    time.sleep(0.05)
+    assert watch._sleeping_until is None and watch.stopped == 0
 
 
 def test_a_stop_taken_back_leaves_nothing_pending():
