@@ -5,7 +5,6 @@ alone, and the engine serves the next request and holds no block after."""
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -13,6 +12,7 @@ from vllm import SamplingParams
 
 import vllm_nnsight_plugin
 from tests.conftest import start_llm, stop_llm
+from tests.engines import environment
 from vllm_nnsight_plugin import VLLM
 
 PROMPT = "The capital of France is"
@@ -21,17 +21,9 @@ BUDGET_S = 2.0
 
 @pytest.fixture(scope="module")
 def budgeted(tiny_qwen3_path):
-    names = ("VLLM_NNSIGHT_STEP_BUDGET_S", "VLLM_NNSIGHT_PACK_BUDGET_S")
-    before = {name: os.environ.get(name) for name in names}
-    os.environ.update({name: str(BUDGET_S) for name in names})  # the engine's processes inherit them
-    try:
+    budgets = {name: str(BUDGET_S) for name in ("VLLM_NNSIGHT_STEP_BUDGET_S", "VLLM_NNSIGHT_PACK_BUDGET_S")}
+    with environment(budgets):
         llm = start_llm(tiny_qwen3_path)
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
     yield llm
     stop_llm(llm)
 

@@ -7,12 +7,11 @@ Run with ``pytest -m gpu`` on a machine with a GPU (``scripts/gpu/README.md``).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from vllm import SamplingParams
 
+from tests.engines import environment
 from vllm_nnsight_plugin import VLLM
 
 pytestmark = pytest.mark.gpu
@@ -40,16 +39,8 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 def start(path: str, env: dict[str, str] | None = None, **overrides):
     from vllm import LLM
 
-    saved = {k: os.environ.get(k) for k in env or {}}
-    os.environ.update(env or {})  # read by the engine processes it spawns
-    try:
+    with environment(env):  # read by the engine processes it spawns
         return LLM(path, **{**GPU, **overrides})
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def stats(llm) -> dict:

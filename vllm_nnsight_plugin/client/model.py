@@ -324,9 +324,8 @@ class VLLM(Edits, _NNsightVLLM):
         ``VLLM_NNSIGHT_KEY``) runs it on a server with the plugin installed.
         ``api_key=`` (nnsight's spelling for a remote service) is the same as ``key=``."""
         key = _key_spelling(key, kwargs)
-        served = self.__dict__.get("_served")
-        if serve is None and served is not None and "fn" not in kwargs:
-            serve, key = served.url, key if key is not None else served.key
+        if "fn" not in kwargs:  # a served model's own server, unless the call builds requests only
+            serve, key = self._where(serve, key)
         use_tqdm = kwargs.pop("use_tqdm", None)
         _check_sampling_keywords(kwargs)
         if serve is None and "fn" not in kwargs and not self._async_engine:
