@@ -13,7 +13,8 @@ oversized envelopes, valid signatures over tampered text, replays, expired and
 far-future envelopes, hostile ``vllm_xargs`` shapes, forged control commands.
 And signed, as a trusted but careless user would send them: blocks that raise at
 a location, write the wrong shape or device, save something huge or unpicklable,
-recurse without end, or never return (stopped by the step budget).
+recurse without end, allocate without end (stopped by the memory budget), or never
+return (stopped by the step budget).
 
     python benchmarks/fuzz.py --cases 10000            # starts its own server (SmolLM2)
     python benchmarks/fuzz.py --url URL --key KEY ...  # or one already running
@@ -47,6 +48,7 @@ PROMPT = "The capital of France is"
 SERVER_ENV = {
     "VLLM_NNSIGHT_STEP_BUDGET_S": "2",
     "VLLM_NNSIGHT_PACK_BUDGET_S": "2",
+    "VLLM_NNSIGHT_STEP_MEMORY_BYTES": str(512 << 20),
     "VLLM_NNSIGHT_MAX_PAYLOAD_BYTES": str(256 << 10),
     "VLLM_NNSIGHT_MAX_SAVE_BYTES": str(4 << 20),
 }
@@ -227,7 +229,7 @@ class Maker:
         from vllm_nnsight_plugin.wire.envelope import seal
 
         weights = {name: 1 for name in self.blocks}
-        weights["forever"] = 0.05  # each costs the step budget
+        weights["forever"] = weights["hoards memory"] = 0.05  # each costs a budget
         name = self.rng.choices(list(weights), list(weights.values()))[0]
         envelope = seal(self.blocks[name], nnsight_version=SUPPORTED_NNSIGHT, plugin_version=PLUGIN_VERSION, key=self.key)
         expect = {"reads": {200}, "cast dtype": {200}}.get(name, {422})
@@ -296,6 +298,11 @@ def careless_blocks(model: Any) -> dict[str, bytes]:
         while True:
             pass
     blocks["forever"] = built(tracer)
+    with model.requests("unused", key=key) as tracer:
+        kept = []
+        while True:
+            kept.append(torch.ones(1 << 18))  # 1 MiB a turn, until the memory budget stops it
+    blocks["hoards memory"] = built(tracer)
     return blocks
 
 

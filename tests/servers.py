@@ -70,6 +70,7 @@ def start_server(model: str, log_path: str, *, env: dict | None = None, **overri
     ]
     full_env = {**os.environ, **(env or {})}
     full_env.pop("VLLM_NNSIGHT_LOCAL_KEY", None)  # the server makes its own
+    full_env.pop("VLLM_NNSIGHT_NONCE_DIR", None)  # and its own nonce directory
     log = open(log_path, "w")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=full_env)
     url = f"http://127.0.0.1:{port}"

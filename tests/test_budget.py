@@ -4,13 +4,20 @@ blocks loop forever is in ``test_hostile_blocks.py``."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import random
 import time
 
 import pytest
 
-from vllm_nnsight_plugin.worker.budget import StepBudgetError, StepStop, Watchdog
+from vllm_nnsight_plugin.worker.budget import (
+    StepBudgetError,
+    StepMemoryError,
+    StepStop,
+    Watchdog,
+    resident_bytes,
+)
 
 
 def watchdog(budget_s: float) -> Watchdog:
@@ -158,3 +165,64 @@ def test_a_stop_taken_back_leaves_nothing_pending():
         _ = [1]
     after = min(loop() for _ in range(3))
     assert after < 1.5 * before + 0.01
+
+
+def memory_watchdog(budget_s: float, limit_bytes: int) -> Watchdog:
+    return Watchdog(budget_s, StepStop, StepBudgetError, "over time", memory_bytes=limit_bytes,
+                    memory_message="over memory")
+
+
+def test_a_block_that_allocates_without_end_is_stopped_before_the_host_runs_out():
+    """Without the memory budget a trusted block that keeps allocating grows the
+    worker until Linux kills the engine; with it, the block gets its error a look
+    or two past the limit, and what it built is freed."""
+    watch, limit = memory_watchdog(0, 256 << 20), 256 << 20
+    before = resident_bytes()
+    grown = []
+
+    def hoard():
+        kept = []
+        while True:
+            kept.append(bytearray(1 << 20))  # 1 MiB, touched
+            grown[:] = [resident_bytes() - before]
+
+    with pytest.raises(StepMemoryError, match="over memory"):
+        run(watch, Owner(), hoard)
+    assert limit < grown[0] < limit + (2 << 30)  # stopped within a look or two of the limit
+    ctypes.CDLL(None).malloc_trim(0)  # give back what the allocator keeps for reuse
+    assert resident_bytes() - before < limit  # the block's list was freed with it
+
+
+def test_the_memory_budget_leaves_long_blocks_that_do_not_allocate_and_small_allocations_alone():
+    watch = memory_watchdog(0, 64 << 20)
+    assert run(watch, Owner(), lambda: [spin(0.2), len(bytearray(8 << 20))][1]) == 8 << 20
+    assert watch.stopped == 0
+    assert run(watch, Owner(), lambda: 5) == 5
+
+
+def test_the_time_budget_still_holds_with_the_memory_budget_on():
+    watch = memory_watchdog(0.2, 1 << 30)
+    with pytest.raises(StepBudgetError, match="over time") as caught:
+        run(watch, Owner(), functools.partial(spin, 5))
+    assert not isinstance(caught.value, StepMemoryError)
+
+
+def test_short_stretches_in_quick_succession_do_not_wake_the_watcher():
+    """A block's code runs in many short stretches (one per switch into it), with
+    the engine's own work between them; each wake of the watcher takes the
+    interpreter from the engine's thread. So while stretches keep coming the
+    watcher wakes on its timer only (a tick: an eighth of the budget, or the
+    memory look's interval), never once per stretch."""
+    for watch in (watchdog(0.3), memory_watchdog(0.3, 1 << 30)):
+        owner = Owner()
+        started = time.monotonic()
+        stretches = 0
+        while time.monotonic() - started < 1.5:
+            run(watch, owner, lambda: 1)
+            spin(0.0002)  # the engine's work between two switches
+            stretches += 1
+            if stretches % 100 == 0:
+                watch.new_step()
+        ticks = (time.monotonic() - started) / watch._tick_s
+        assert stretches > 1000
+        assert watch.wakeups <= 1.5 * ticks + 3, (watch.wakeups, ticks, stretches)

@@ -198,3 +198,31 @@ def test_the_operator_key_never_travels_inside_a_block(smollm2_path, monkeypatch
     for envelope in (built, served):
         assert split_signature(envelope)[1]  # signed for the server...
         assert KEY.encode() not in open_envelope(envelope, **VERSIONS).block_bytes()  # ...without the key
+
+
+def test_processes_sharing_a_nonce_directory_accept_an_envelope_once(monkeypatch, tmp_path):
+    """Several API server processes (one book each) share the engine family's
+    nonce directory: an envelope accepted by one is a replay to the others, in
+    this process and in another one; expired nonces are pruned from it."""
+    import vllm_nnsight_plugin.wire.trust as trust
+
+    directory = tmp_path / "nonces"
+    monkeypatch.setenv(trust.NONCE_DIR_ENV, str(directory))
+    sealed = seal(b"b", key=KEY, **VERSIONS)
+    check_operator(sealed, KEY, NonceBook())
+    with pytest.raises(UntrustedBlockError, match="already used"):
+        check_operator(sealed, KEY, NonceBook())  # another process's book
+    another = seal(b"b", key=KEY, **VERSIONS)
+    script = (
+        "import sys; from tests.test_gate import check_operator; from vllm_nnsight_plugin.wire.trust "
+        "import NonceBook; check_operator(sys.argv[1], sys.argv[2], NonceBook())"
+    )
+    first = subprocess.run([sys.executable, "-c", script, another, KEY], capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr
+    with pytest.raises(UntrustedBlockError, match="already used"):
+        check_operator(another, KEY, NonceBook())
+    assert oct(directory.stat().st_mode & 0o777) == "0o700" and len(list(directory.iterdir())) == 2
+    book = NonceBook()
+    book._shared_pruned -= 3600
+    assert book.claim("fresh", time.time() + 60, now=time.time() + 10**6)  # as if much later
+    assert [p.name for p in directory.iterdir()] == [trust.hashlib.sha256(b"fresh").hexdigest()[:40]]

@@ -1,5 +1,5 @@
 """Blocks a trusted but careless user sends, on an engine with short time budgets
-(2 s a step, 2 s to pack): each fails its own request with an error that says
+(2 s a step, 2 s to pack, 512 MiB of memory a block may grow): each fails its own request with an error that says
 what happened, a plain neighbour in the same batch makes the tokens it makes
 alone, and the engine serves the next request and holds no block after."""
 
@@ -17,11 +17,13 @@ from vllm_nnsight_plugin import VLLM
 
 PROMPT = "The capital of France is"
 BUDGET_S = 2.0
+MEMORY_BYTES = 512 << 20
 
 
 @pytest.fixture(scope="module")
 def budgeted(tiny_qwen3_path):
     budgets = {name: str(BUDGET_S) for name in ("VLLM_NNSIGHT_STEP_BUDGET_S", "VLLM_NNSIGHT_PACK_BUDGET_S")}
+    budgets["VLLM_NNSIGHT_STEP_MEMORY_BYTES"] = str(MEMORY_BYTES)
     with environment(budgets):
         llm = start_llm(tiny_qwen3_path)
     yield llm
@@ -68,6 +70,21 @@ def test_a_block_that_never_returns_is_stopped_at_the_budget(budgeted, model):
     tokens, error = beside_a_plain_request(budgeted, tracer.prepared)
     assert time.monotonic() - started < BUDGET_S + 30
     assert "StepBudgetError" in error and "VLLM_NNSIGHT_STEP_BUDGET_S" in error and "2 s" in error
+    assert tokens == want
+    assert_still_serving(budgeted, model)
+
+
+def test_a_block_that_allocates_without_end_is_stopped_at_the_memory_budget(budgeted, model):
+    """Unstopped, it would grow the engine until Linux kills it."""
+    import torch
+
+    want = plain_tokens(budgeted)
+    with model.requests(PROMPT, temperature=0.0, max_tokens=4) as tracer:
+        kept = []
+        while True:
+            kept.append(torch.ones(1 << 18))  # 1 MiB, written
+    tokens, error = beside_a_plain_request(budgeted, tracer.prepared)
+    assert "StepMemoryError" in error and "VLLM_NNSIGHT_STEP_MEMORY_BYTES" in error and "512 MiB" in error
     assert tokens == want
     assert_still_serving(budgeted, model)
 

@@ -43,9 +43,16 @@ def test_instance_state_the_worker_reads_exists():
     request = nns.Request("abc-0123abcd")
     requests = nns.new_requests()
     from vllm_nnsight_plugin.worker.batching import CheckedBatcher
+    from vllm_nnsight_plugin.worker.fragments import FusedFragments
 
     batcher = CheckedBatcher(None)
-    pairs = ((mediator, "Mediator"), (request, "Request"), (requests, "Requests"), (batcher, "VLLMBatcher"))
+    pairs = (
+        (mediator, "Mediator"),
+        (request, "Request"),
+        (requests, "Requests"),
+        (batcher, "VLLMBatcher"),
+        (FusedFragments(), "VLLMFragments"),
+    )
     for obj, name in pairs:
         for attribute in nns.INSTANCE_TOUCHES[name]:
             assert hasattr(obj, attribute), f"{name}.{attribute} is gone"

@@ -301,7 +301,7 @@ def test_the_read_of_requests_resumed_after_a_preemption():
     assert seams.resumed_ids(type("Out", (), {"scheduled_cached_reqs": cached})()) == {"a"}
 
 
-def test_blocks_are_refused_on_pipeline_and_data_parallel_engines():
+def test_blocks_are_refused_on_pipeline_parallel_engines_and_run_on_data_parallel_ones():
     """``seams.frontend.unsupported_parallelism`` on vLLM's own parallel config
     (the input processor reads it from ``self.vllm_config``). A config laid out
     over more devices than this machine has does not validate, so those are
@@ -319,7 +319,23 @@ def test_blocks_are_refused_on_pipeline_and_data_parallel_engines():
     laid_out = SimpleNamespace(pipeline_parallel_size=2, data_parallel_size=1)
     assert "pipeline_parallel_size > 1" in unsupported_parallelism(laid_out)
     laid_out = SimpleNamespace(pipeline_parallel_size=1, data_parallel_size=2)
-    assert "data_parallel_size > 1" in unsupported_parallelism(laid_out)
+    assert unsupported_parallelism(laid_out) is None  # this vLLM's client reaches every engine
+
+
+def test_the_async_client_can_ask_every_data_parallel_engine():
+    """``seams.frontend.rpc_every_engine``: vLLM's data-parallel client answers
+    ``collective_rpc`` with the first engine's replies only, so the collect asks
+    each engine (``call_utility_all_async``). Without it, blocks on a
+    data-parallel engine are refused rather than losing their saves."""
+    import inspect
+
+    from vllm.v1.engine.core_client import AsyncMPClient, DPLBAsyncMPClient
+
+    from vllm_nnsight_plugin.seams.frontend import reaches_every_engine
+
+    assert reaches_every_engine()
+    assert "self.core_engines" in inspect.getsource(AsyncMPClient.call_utility_all_async)
+    assert "call_utility_all_async" in inspect.getsource(DPLBAsyncMPClient.call_utility_async)
 
 
 def test_register_is_cheap_and_idempotent():

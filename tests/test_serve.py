@@ -46,6 +46,7 @@ def served(smollm2_path, key_file, tmp_path_factory):
         "VLLM_NNSIGHT_MAX_PAYLOAD_BYTES": str(MAX_PAYLOAD_BYTES),
         "VLLM_NNSIGHT_STEP_BUDGET_S": "2",
         "VLLM_NNSIGHT_PACK_BUDGET_S": "2",
+        "VLLM_NNSIGHT_STEP_MEMORY_BYTES": str(512 << 20),
     }
     server = start_server(smollm2_path, str(tmp_path_factory.mktemp("logs") / "served.log"), env=env)
     yield server

@@ -3,7 +3,8 @@ against the same weights at one rank. The locations of the user docs' table that
 are gathered read the whole tensor one rank gives (fused projections in one
 rank's layout), a write at a split location lands the same, and the tokens are
 the same. The attention kernel's arguments and the MLP's activation are still
-each rank's own heads and columns (``docs/tensor-parallel.md``)."""
+each rank's own heads and columns (``docs/tensor-parallel.md``). Parameters
+read in a block are whole."""
 
 from __future__ import annotations
 
@@ -53,11 +54,24 @@ def run(model) -> dict:
                 drawn.append(model.samples.item())
         return drawn
 
+    with model.trace(PROMPTS[0], temperature=0.0, max_tokens=1):
+        layer = model.model.layers[1]
+        lm_head = model.lm_head.weight.clone().save()  # vocabulary-parallel
+        norm = model.model.norm.weight.clone().save()  # held whole by every rank
+        qkv = layer.self_attn.qkv_proj.weight.clone().save()  # fused, column-parallel
+        o_proj = layer.self_attn.o_proj.weight.clone().save()  # row-parallel
+        gate_up = layer.mlp.gate_up_proj.weight.clone().save()
+        down = layer.mlp.down_proj.weight.clone().save()
+        lens = (layer.mlp.output[-1] @ model.lm_head.weight.T).save()  # a logit lens
     with model.trace(PROMPTS[0], temperature=0.0, max_tokens=8) as tracer:
         result = tracer.result.save()
     (stats,) = model.vllm_entrypoint.collective_rpc("nnsight_stats")[:1]
     return {
         "locations": locations,
+        "weights": {
+            "lm_head": lm_head, "norm": norm, "qkv": qkv, "o_proj": o_proj, "gate_up": gate_up, "down": down
+        },
+        "lens": lens,
         "steered": steered(),
         "tokens": list(result.outputs[0].token_ids),
         "tracked": stats["tracked"],
@@ -91,3 +105,13 @@ def test_fused_pieces_are_laid_out_as_at_one_rank(ranks):
     one = ranks[1]["locations"][0]["qkv_fused"]
     two = ranks[2]["locations"][0]["qkv_fused"]
     torch.testing.assert_close(two[:, 256:384], one[:, 256:384], rtol=1e-5, atol=1e-5)
+
+
+def test_parameters_read_whole_as_at_one_rank(ranks):
+    """A block reading a split parameter gets the whole one (``worker/parameters.py``),
+    so a logit lens over ``lm_head.weight`` sees the whole vocabulary."""
+    one, two = ranks[1], ranks[2]
+    for name, weight in one["weights"].items():
+        assert torch.equal(two["weights"][name], weight), name
+    assert two["lens"].shape == one["lens"].shape
+    torch.testing.assert_close(two["lens"], one["lens"], rtol=1e-5, atol=1e-5)

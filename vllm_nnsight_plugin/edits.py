@@ -142,10 +142,12 @@ def install(engine: Any, edit_id: str, envelope: str, name: str | None = None) -
 
 async def ainstall(engine: Any, edit_id: str, envelope: str, name: str | None = None) -> None:
     """:func:`install`, on an ``AsyncLLM`` (awaited in its event loop)."""
+    from .seams.frontend import rpc_every_engine  # every data-parallel engine holds it
+
     args = _install_args(edit_id, envelope, name)
-    refusal = _refused(await engine.collective_rpc("nnsight_edit_install", args=args))
+    refusal = _refused(await rpc_every_engine(engine, "nnsight_edit_install", args))
     if refusal is not None:
-        await engine.collective_rpc("nnsight_edit_clear", args=_clear_args([edit_id]))
+        await rpc_every_engine(engine, "nnsight_edit_clear", _clear_args([edit_id]))
         raise EditError(f"the edit could not be installed: {refusal}")
     _book(engine).installed[edit_id] = name
 
@@ -167,8 +169,10 @@ def clear(engine: Any, edit_ids: list[str] | None = None) -> None:
 
 async def aclear(engine: Any, edit_ids: list[str] | None = None) -> None:
     """:func:`clear`, on an ``AsyncLLM``."""
+    from .seams.frontend import rpc_every_engine
+
     _unbook(engine, edit_ids)
-    await engine.collective_rpc("nnsight_edit_clear", args=_clear_args(edit_ids))
+    await rpc_every_engine(engine, "nnsight_edit_clear", _clear_args(edit_ids))
 
 
 def _book(engine: Any) -> EditBook:

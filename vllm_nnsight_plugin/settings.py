@@ -140,6 +140,12 @@ SETTINGS: tuple[Setting, ...] = (
         "its request fails with 422 (`0`: no limit)",
     ),
     Setting(
+        "VLLM_NNSIGHT_STEP_MEMORY_BYTES", _count(0), 4 << 30, "bytes",
+        "how much a block may grow its worker's host memory (RSS) while it runs, checked every "
+        "100 ms once it has run that long; over it the block is stopped and its request fails "
+        "with 422 (`0`: no limit)",
+    ),
+    Setting(
         "VLLM_NNSIGHT_PACK_BUDGET_S", _seconds(0, zero=True), 60.0, "seconds",
         "how long packing one request's saves may take; over it they are dropped and the request "
         "fails with 422 (`0`: no limit)",
@@ -187,6 +193,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "VLLM_NNSIGHT_LOCAL_KEY", _text, None, "text",
         "the engine's own key for blocks built in its process", secret=True, internal=True,
+    ),
+    Setting(
+        "VLLM_NNSIGHT_NONCE_DIR", _text, None, "path",
+        "where the server's processes record the nonces of the envelopes they accepted", internal=True,
     ),
     Setting("VLLM_NNSIGHT_SWITCHED_OFF", _text, None, "text", "why the plugin is off, for the engine's processes", internal=True),
 )

@@ -10,6 +10,9 @@ it drew, for the site (``mkdocs build`` puts the output under each example).
   engine built with the same model and settings as the one before is that one;
   one with other settings shuts the earlier one down first. So the pages share
   one engine per model and settings, and never hold two.
+- With no accelerator, an engine a page builds without a ``dtype`` runs in
+  float32: vLLM's ``auto`` runs a float32 checkpoint in bfloat16 on a CPU, which
+  a CPU without bfloat16 units computes tens of times slower.
 - Writes ``docs/_outputs/<page>.json`` (each block's hash and output), and runs
   with ``docs/img/`` as the working directory, where pictures are saved.
 
@@ -106,6 +109,23 @@ class _Engines:
         gc.collect()
 
 
+def float32_without_an_accelerator() -> None:
+    """See the module's docstring: ``auto`` becomes float32 on a CPU."""
+    import torch
+    from vllm.engine.arg_utils import EngineArgs
+
+    if torch.accelerator.current_accelerator() is not None:
+        return
+    original = EngineArgs.__post_init__
+
+    def __post_init__(self, *args, **kwargs):
+        if self.dtype == "auto":
+            self.dtype = "float32"
+        return original(self, *args, **kwargs)
+
+    EngineArgs.__post_init__ = __post_init__
+
+
 def run_page(name: str, engines: _Engines) -> bool:
     text = (DOCS / name).read_text()
     found = blocks(text)
@@ -147,6 +167,7 @@ def main(argv: list[str]) -> int:
     pages = argv or nav_pages()
     IMAGES.mkdir(parents=True, exist_ok=True)
     os.chdir(IMAGES)
+    float32_without_an_accelerator()
     engines = _Engines()
     engines.install()
     failed = 0

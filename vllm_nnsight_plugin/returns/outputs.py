@@ -149,12 +149,15 @@ class _Collector:
     async def _flush(self) -> None:
         import pickle
 
+        from ..seams.frontend import rpc_every_engine
+
         batch, self.waiting = self.waiting, []
         outputs = [output for output, _ in batch]
         try:
-            replies = await self.engine.collective_rpc(
+            replies = await rpc_every_engine(
+                self.engine,
                 "nnsight_collect",
-                args=([o.request_id for o in outputs], pickle.dumps({o.request_id: o for o in outputs})),
+                ([o.request_id for o in outputs], pickle.dumps({o.request_id: o for o in outputs})),
             )
             attach_collected(outputs, replies)
         except BaseException as error:
@@ -204,9 +207,11 @@ def wind_up_later(engine: Any, request_id: str) -> None:
     """
     import asyncio
 
+    from ..seams.frontend import rpc_every_engine
+
     try:
         task = asyncio.get_running_loop().create_task(
-            engine.collective_rpc("nnsight_collect", args=([request_id], None))
+            rpc_every_engine(engine, "nnsight_collect", ([request_id], None))
         )
     except RuntimeError:  # no loop left: the worker's own expiry frees it
         return

@@ -44,9 +44,10 @@ def patch_engine_args() -> None:
 
     def make(original: Callable) -> Callable:
         def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
-            from ..wire.trust import ensure_local_key
+            from ..wire.trust import ensure_local_key, ensure_nonce_dir
 
             ensure_local_key()  # before the engine's processes start: they inherit it
+            ensure_nonce_dir()
             self.worker_extension_cls = extension_for(self.worker_extension_cls)
             # The worker reads the V1 runner's persistent batch; vLLM reads this
             # variable lazily, so a default set here reaches the engine (0.25 GPU
@@ -223,10 +224,11 @@ def building_meta_tree() -> Iterator[None]:
 def unsupported_parallelism(parallel: Any) -> str | None:
     """Why a block cannot run on an engine laid out this way, or None. Plain
     requests on such an engine are untouched."""
-    if getattr(parallel, "data_parallel_size", 1) > 1:
+    if getattr(parallel, "data_parallel_size", 1) > 1 and not reaches_every_engine():
         return (
-            "nnsight blocks are not supported with data_parallel_size > 1 yet (saves "
-            "are collected from one engine only); serve with one data-parallel rank."
+            "nnsight blocks need data_parallel_size 1 on this vLLM (its engine client "
+            "cannot ask every data-parallel engine for a request's saves); serve with "
+            "one data-parallel rank."
         )
     if getattr(parallel, "pipeline_parallel_size", 1) > 1:
         return (
@@ -235,6 +237,39 @@ def unsupported_parallelism(parallel: Any) -> str | None:
             "with tensor_parallel_size instead."
         )
     return None
+
+
+def reaches_every_engine() -> bool:
+    """Whether this vLLM's async engine client can call every data-parallel engine
+    (``call_utility_all_async``: 0.32; else its per-engine ``_call_utility_async``
+    and ``core_engines``)."""
+    from vllm.v1.engine.core_client import AsyncMPClient, MPClient
+
+    return hasattr(AsyncMPClient, "call_utility_all_async") or (
+        hasattr(AsyncMPClient, "_call_utility_async") and "core_engines" in MPClient.__init__.__code__.co_names
+    )
+
+
+async def rpc_every_engine(engine: Any, method: str, args: tuple) -> list:
+    """``engine.collective_rpc(method, args=args)``, answered by every
+    data-parallel engine, their workers' replies in one list.
+
+    Under data parallelism vLLM's ``collective_rpc`` returns the first engine's
+    replies only, and a request's saves are on whichever engine ran it."""
+    core = getattr(engine, "engine_core", None)
+    engines = list(getattr(core, "core_engines", None) or ())
+    if len(engines) < 2:
+        return await engine.collective_rpc(method, args=args)
+    every = getattr(core, "call_utility_all_async", None)
+    if every is not None:
+        per_engine = await every("collective_rpc", method, None, args, None)
+    else:
+        import asyncio
+
+        per_engine = await asyncio.gather(
+            *(core._call_utility_async("collective_rpc", method, None, args, None, engine=e) for e in engines)
+        )
+    return [reply for replies in per_engine for reply in replies]
 
 
 def patch_llm_engine() -> None:

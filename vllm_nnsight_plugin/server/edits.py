@@ -27,15 +27,8 @@ from http import HTTPStatus
 from typing import Any
 
 from ..versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT
-from ..wire.edits import COMMAND_HEADER, check_command
 from ..wire.envelope import EnvelopeError, EnvelopeTooLarge, Limits, open_envelope
-from ..wire.trust import OPERATOR_KEY_ENV, OPERATOR_KEY_FILE_ENV, UntrustedBlockError, operator_key
-from .gate import _NONCES
-
-try:  # the server has it (FastAPI reads the handlers' annotations); a client need not
-    from starlette.requests import Request
-except ImportError:  # pragma: no cover
-    Request = Any  # type: ignore[misc,assignment]
+from .commands import Refused, Request, authorized, error_response
 
 PATH = "/v1/nnsight/edits"
 #: Room for an install's JSON fields besides the block.
@@ -48,46 +41,6 @@ def attach(app: Any) -> None:
     app.add_api_route(PATH, _list, methods=["GET"], include_in_schema=False)
     app.add_api_route(PATH, _clear_all, methods=["DELETE"], include_in_schema=False)
     app.add_api_route(PATH + "/{edit_id}", _clear_one, methods=["DELETE"], include_in_schema=False)
-
-
-def _error(status: HTTPStatus, kind: str, message: str) -> Any:
-    from fastapi.responses import JSONResponse
-
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status.value}}, status.value)
-
-
-class _Refused(Exception):
-    def __init__(self, status: HTTPStatus, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.response = _error(status, kind, message)
-
-
-def signed_path(request: Request) -> str:
-    """What a command's signature covers of its URL: the path and any query."""
-    query = request.url.query
-    return request.url.path + (f"?{query}" if query else "")
-
-
-async def _authorized(request: Request, body: bytes) -> Any:
-    """The engine this server runs, once the request is signed with the operator's key."""
-    key = operator_key()
-    if key is None:
-        raise _Refused(
-            HTTPStatus.FORBIDDEN,
-            "NNsightBlocksDisabled",
-            "this server does not take nnsight edits over HTTP. The operator can turn them "
-            f"on by starting it with {OPERATOR_KEY_ENV} (or {OPERATOR_KEY_FILE_ENV}) set.",
-        )
-    try:
-        check_command(
-            request.headers.get(COMMAND_HEADER), request.method, signed_path(request), body, key, _NONCES
-        )
-    except UntrustedBlockError as error:
-        raise _Refused(HTTPStatus.FORBIDDEN, "NNsightUntrustedBlock", str(error)) from None
-    engine = getattr(request.app.state, "engine_client", None)
-    if engine is None or not hasattr(engine, "input_processor"):
-        raise _Refused(HTTPStatus.SERVICE_UNAVAILABLE, "NNsightEditError", "this server runs no engine.")
-    return engine
 
 
 def _refusal_of_layout(request: Request, engine: Any) -> str | None:
@@ -109,28 +62,28 @@ async def _install(request: Request) -> Any:
     limits = Limits.from_env()
     too_long = limits.max_payload_bytes * 2 + _FIELDS_BYTES  # base64 twice, with room
     if int(request.headers.get("content-length") or 0) > too_long:
-        return _error(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "NNsightPayloadTooLarge", "the edit is too large.")
+        return error_response(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "NNsightPayloadTooLarge", "the edit is too large.")
     body = await request.body()
     try:
         if len(body) > too_long:
-            raise _Refused(
+            raise Refused(
                 HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "NNsightPayloadTooLarge", "the edit is too large."
             )
-        engine = await _authorized(request, body)
+        engine = await authorized(request, body)
         refusal = _refusal_of_layout(request, engine)
         if refusal is not None:
-            raise _Refused(HTTPStatus.BAD_REQUEST, "NNsightEditError", refusal)
+            raise Refused(HTTPStatus.BAD_REQUEST, "NNsightEditError", refusal)
         edit_id, name, block = _fields(body)
         open_envelope(block, nnsight_version=SUPPORTED_NNSIGHT, plugin_version=PLUGIN_VERSION, limits=limits)
         await edits.ainstall(engine, edit_id, block, edits.check_name(name))
-    except _Refused as refused:
+    except Refused as refused:
         return refused.response
     except EnvelopeTooLarge as error:
-        return _error(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "NNsightPayloadTooLarge", str(error))
+        return error_response(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "NNsightPayloadTooLarge", str(error))
     except (EnvelopeError, TypeError, ValueError) as error:
-        return _error(HTTPStatus.BAD_REQUEST, "NNsightBadEnvelope", str(error)[:500])
+        return error_response(HTTPStatus.BAD_REQUEST, "NNsightBadEnvelope", str(error)[:500])
     except edits.EditError as error:
-        return _error(HTTPStatus.UNPROCESSABLE_ENTITY, "NNsightEditError", str(error)[:2000])
+        return error_response(HTTPStatus.UNPROCESSABLE_ENTITY, "NNsightEditError", str(error)[:2000])
     return {"id": edit_id, "name": name}
 
 
@@ -152,8 +105,8 @@ async def _list(request: Request) -> Any:
     from .. import edits
 
     try:
-        engine = await _authorized(request, await request.body())
-    except _Refused as refused:
+        engine = await authorized(request, await request.body())
+    except Refused as refused:
         return refused.response
     return {"edits": [{"id": i, "name": name} for i, name in edits.installed(engine).items()]}
 
@@ -170,12 +123,12 @@ async def _clear(request: Request, edit_id: str | None) -> Any:
     from .. import edits
 
     try:
-        engine = await _authorized(request, await request.body())
-    except _Refused as refused:
+        engine = await authorized(request, await request.body())
+    except Refused as refused:
         return refused.response
     before = edits.installed(engine)
     ids = None if edit_id is None else [edit_id]
     if ids is not None and edit_id not in before:
-        return _error(HTTPStatus.NOT_FOUND, "NNsightEditError", "no edit is installed under that id.")
+        return error_response(HTTPStatus.NOT_FOUND, "NNsightEditError", "no edit is installed under that id.")
     await edits.aclear(engine, ids)
     return {"cleared": list(before) if ids is None else ids}

@@ -13,7 +13,7 @@ import json
 from http import HTTPStatus
 from typing import Any
 
-from .edits import Request, _authorized, _error, _Refused
+from .commands import Refused, Request, authorized, error_response
 
 PATH = "/v1/nnsight/model"
 _KEPT = "vllm_nnsight_tree"
@@ -25,8 +25,8 @@ def attach(app: Any) -> None:
 
 async def _model(request: Request) -> Any:
     try:
-        engine = await _authorized(request, await request.body())
-    except _Refused as refused:
+        engine = await authorized(request, await request.body())
+    except Refused as refused:
         return refused.response
     state = request.app.state
     kept = getattr(state, _KEPT, None)
@@ -34,7 +34,7 @@ async def _model(request: Request) -> Any:
         try:
             answers = await engine.collective_rpc("nnsight_tree")
         except Exception as error:  # a worker without the plugin's extension, or one that failed
-            return _error(
+            return error_response(
                 HTTPStatus.SERVICE_UNAVAILABLE,
                 "NNsightTreeError",
                 f"the workers could not describe the model ({type(error).__name__}).",

@@ -193,12 +193,20 @@ def max_ttl_s() -> float:
 
 
 class NonceBook:
-    """Nonces of accepted envelopes, kept until they expire: each is good once."""
+    """Nonces of accepted envelopes, kept until they expire: each is good once.
+
+    A server with several API server processes (``--api-server-count``, which
+    ``--data-parallel-size`` raises by default) could otherwise be sent one
+    envelope once per process. So where the engine family shares a nonce
+    directory (:func:`ensure_nonce_dir`, inherited like the local key), a claim
+    is also an exclusive create of a file named for the nonce there: one system
+    call, atomic across the processes of one host."""
 
     def __init__(self) -> None:
         self._seen: dict[str, float] = {}
         self._prune_at = 1024
         self._lock = threading.Lock()
+        self._shared_pruned = time.monotonic()
 
     def claim(self, nonce: str, expires: float, now: float) -> bool:
         with self._lock:
@@ -208,7 +216,77 @@ class NonceBook:
             if nonce in self._seen:
                 return False
             self._seen[nonce] = expires
-            return True
+            directory = nonce_dir()
+            if directory is None:
+                return True
+            if time.monotonic() - self._shared_pruned > _SHARED_PRUNE_S:
+                self._shared_pruned = time.monotonic()
+                _prune_shared(directory, now)
+            return _claim_shared(directory, nonce, expires)
+
+
+#: The environment variable naming the engine family's shared nonce directory.
+NONCE_DIR_ENV = "VLLM_NNSIGHT_NONCE_DIR"
+#: How often a process clears expired nonces out of the shared directory.
+_SHARED_PRUNE_S = 60.0
+
+
+def nonce_dir() -> str | None:
+    from ..settings import value
+
+    return value(NONCE_DIR_ENV) or None
+
+
+def ensure_nonce_dir() -> str:
+    """Name this engine family's nonce directory and export it to the processes it
+    is about to start (made on first use; removed when this process exits)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    directory = nonce_dir()
+    if directory is None:
+        base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+        directory = os.path.join(base, f"vllm-nnsight-nonces-{secrets.token_hex(12)}")
+        os.environ[NONCE_DIR_ENV] = directory
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    return directory
+
+
+def _claim_shared(directory: str, nonce: str, expires: float) -> bool:
+    import stat
+
+    name = os.path.join(directory, hashlib.sha256(nonce.encode("utf-8", "replace")).hexdigest()[:40])
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        found = os.lstat(directory)
+        if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid():
+            raise UntrustedBlockError("the server's nonce store is not its own; it takes no blocks.")
+        handle = os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except FileExistsError:
+        return False
+    except OSError as error:
+        raise UntrustedBlockError(
+            f"the server could not record this block's nonce ({type(error).__name__}); try again."
+        ) from None
+    try:
+        os.utime(handle, (expires, expires))  # its expiry, for pruning
+    finally:
+        os.close(handle)
+    return True
+
+
+def _prune_shared(directory: str, now: float) -> None:
+    try:
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                try:
+                    if entry.stat(follow_symlinks=False).st_mtime < now:
+                        os.unlink(entry.path)
+                except OSError:
+                    pass  # pruned by another process meanwhile
+    except OSError:
+        pass
 
 
 def check_operator_signature(value: object, key: str) -> None:

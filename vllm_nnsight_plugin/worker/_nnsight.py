@@ -87,6 +87,7 @@ TOUCHES: tuple[tuple[str, str], ...] = (
     ("nnsight.modeling.vllm.fragments", "VLLMFragments.whole"),
     ("nnsight.modeling.vllm.fragments", "VLLMFragments.split"),
     ("nnsight.util", "apply"),
+    ("nnsight.intervention.envoy", "Envoy.__getattr__"),
     ("nnsight.modeling.vllm.batching", "VLLMBatcher._widen_tensor"),
     ("nnsight.modeling.vllm.batching", "VLLMBatcher._token_dim"),
     ("nnsight.modeling.vllm.model_runners.GPUModelRunner", "Request.named"),
@@ -126,6 +127,7 @@ INSTANCE_TOUCHES: dict[str, tuple[str, ...]] = {
     "Request": ("id", "mediator", "copies", "harvested", "error"),
     "Requests": ("requests", "templates", "names"),
     "VLLMBatcher": ("clone_reads",),
+    "VLLMFragments": ("enabled", "rules"),
 }
 
 
@@ -136,9 +138,16 @@ def build_model(module: Any, tokenizer: Any, batcher: Any) -> Any:
     A block's error is recorded on its own mediator (``defer_exceptions``) so it
     ends that request, never the engine. Under tensor parallelism split values
     are gathered by nnsight's fragments, fused projections laid out as on one
-    device (``fragments.py``).
+    device (``fragments.py``), and so are parameters a block reads
+    (``parameters.py``).
     """
     model = NNsightVLLM(module, interleaver=VLLMInterleaver((), fragments=FusedFragments()))
+    if getattr(model.interleaver.fragments, "enabled", False):
+        from nnsight.intervention.envoy import Envoy
+
+        from .parameters import read_whole
+
+        read_whole(Envoy)
     model.tokenizer = tokenizer
     model.interleaver.batcher = batcher
     model.interleaver.defer_exceptions = True

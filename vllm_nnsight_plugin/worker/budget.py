@@ -11,6 +11,13 @@ where the request's code was called from, it becomes a :class:`BudgetError`,
 that request's error like any its block raises: the request fails, its
 co-tenants carry on.
 
+The step's watchdog also keeps a memory budget: while a block's stretch runs
+longer than a look's interval (100 ms), it reads the worker's resident memory at
+each look, and stops the block the same way once that has grown past
+``VLLM_NNSIGHT_STEP_MEMORY_BYTES`` since its first look. On a GPU, device
+memory needs no such guard: torch raises its out-of-memory error in the block.
+On the host, Linux would instead kill the whole engine.
+
 What this cannot stop: code inside one long native call (a ``time.sleep``, a
 huge matrix product, a blocking read) gets the error only when that call
 returns, since Python raises it between bytecodes; and a bare ``except:`` that
@@ -22,6 +29,7 @@ restarts it (vLLM exits when its engine core stops answering).
 from __future__ import annotations
 
 import ctypes
+import math
 import queue
 import threading
 import time
@@ -53,6 +61,35 @@ class StepBudgetError(BudgetError):
 
 class PackBudgetError(BudgetError):
     """Packing a request's saves ran past ``VLLM_NNSIGHT_PACK_BUDGET_S``."""
+
+
+class StepMemoryStop(StepStop):
+    pass
+
+
+class StepMemoryError(StepBudgetError):
+    """A block grew its worker's memory past ``VLLM_NNSIGHT_STEP_MEMORY_BYTES``."""
+
+
+#: How often a running block's memory is looked at.
+MEMORY_EVERY_S = 0.1
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory now (None where ``/proc`` is not there)."""
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+try:
+    import os as _os
+
+    _PAGE = _os.sysconf("SC_PAGE_SIZE")
+except (AttributeError, ValueError, OSError):  # pragma: no cover
+    _PAGE = 4096
 
 
 class _Withdrawn(BaseException):
@@ -97,11 +134,33 @@ class Watchdog:
     half-way through and leave the lock held.
     """
 
-    def __init__(self, budget_s: float, stop: type[BudgetStop], error: type[BudgetError], message: str) -> None:
+    def __init__(
+        self,
+        budget_s: float,
+        stop: type[BudgetStop],
+        error: type[BudgetError],
+        message: str,
+        *,
+        memory_bytes: int = 0,
+        memory_stop: type[BudgetStop] = StepMemoryStop,
+        memory_error: type[BudgetError] = StepMemoryError,
+        memory_message: str = "",
+    ) -> None:
         self.budget_s = budget_s
         self.stop = stop
         self._error, self._message = error, message
-        self.on = budget_s > 0
+        self.memory_bytes = memory_bytes if resident_bytes() is not None else 0
+        self._memory_stop, self._memory_error, self._memory_message = memory_stop, memory_error, memory_message
+        if budget_s <= 0:
+            self.budget_s = float("inf")  # no time limit; the memory one may still be on
+        self.on = budget_s > 0 or self.memory_bytes > 0
+        #: How long the watcher stays on a timer after a stretch starts.
+        self._horizon_s = self.budget_s if math.isfinite(self.budget_s) else 60.0
+        #: How often it looks while stretches keep starting.
+        self._tick_s = max(0.001, min(self._horizon_s / 8, MEMORY_EVERY_S if self.memory_bytes else math.inf))
+        self.wakeups = 0  # how often the watcher woke (its cost to the engine's thread)
+        self._stretch = 0  # counts outermost entries: which stretch a look belongs to
+        self._rss_at: int | None = None  # the running stretch's memory at its first look
         self._lock = threading.Lock()
         self._wake: queue.SimpleQueue = queue.SimpleQueue()
         self._spent: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
@@ -124,7 +183,10 @@ class Watchdog:
         """The request's error for a stop raised in its code, with the stop's traceback
         (which shows the line of the block it was stopped at)."""
         self._delivered = True
-        error = self._error(self._message)
+        if isinstance(stop, self._memory_stop):
+            error = self._memory_error(self._memory_message)
+        else:
+            error = self._error(self._message)
         error.__intervention_tb__ = getattr(stop, "__intervention_tb__", stop.__traceback__)  # type: ignore[attr-defined]
         return error.with_traceback(stop.__traceback__)
 
@@ -150,7 +212,9 @@ class Watchdog:
                 self._deadline = now + self.budget_s - self._spent_by(owner)
                 self._raised_at = 0.0
                 self._delivered = False
-                wake = self._sleeping_until is None or self._deadline < self._sleeping_until
+                self._stretch += 1
+                self._rss_at = None
+                wake = self._sleeping_until is None  # asleep until woken; else its timer covers this
         if self._watcher is None:
             self._watcher = threading.Thread(target=self._watch, name="vllm-nnsight-budget", daemon=True)
             self._watcher.start()
@@ -186,25 +250,59 @@ class Watchdog:
                 pass
 
     def _watch(self) -> None:
-        """Sleeps while nothing runs, else until the running code's deadline: no
-        polling, so an idle engine (or a test process) pays nothing."""
+        """Looks at the running code on a timer while request code keeps running,
+        and sleeps until woken once it has stopped for a while.
+
+        Stretches of request code are short and many (one per switch into a
+        block), and waking this thread takes the interpreter from the engine's
+        thread, so an entry wakes it only from that long sleep. While stretches
+        keep starting (one began within the last budget) it looks every tick (an
+        eighth of the budget; the memory budget's interval when that is on), so a
+        stretch is stopped at most a tick past its deadline. An idle engine (or a
+        test process) pays nothing."""
         while True:
+            look = None
             with self._lock:
                 now = time.monotonic()
-                if self._owner is None or self._raised_at:  # idle, or stopped already
-                    self._sleeping_until = None
-                elif now >= self._deadline:
-                    _raise_in(self._thread, self.stop)  # once per stretch of code
-                    self._raised_at = now
-                    self.stopped += 1
-                    self._sleeping_until = None
+                self.wakeups += 1
+                running = self._owner is not None and not self._raised_at
+                if running and now >= self._deadline:
+                    self._stop(self.stop, now)
+                    running = False
+                elif running and self.memory_bytes:
+                    look = self._stretch
+                if self._owner is None and now >= self._started + self._horizon_s:
+                    self._sleeping_until = None  # idle: until an entry wakes it
                 else:
-                    self._sleeping_until = self._deadline
+                    self._sleeping_until = min(now + self._tick_s, self._deadline if running else math.inf)
                 until = self._sleeping_until
+            if look is not None:
+                until = self._look_at_memory(look, until)
             try:
                 self._wake.get(timeout=None if until is None else max(0.0, until - time.monotonic()))
             except queue.Empty:
                 pass
+
+    def _look_at_memory(self, stretch: int, until: float | None) -> float | None:
+        """Read the process's memory (outside the lock: a file read), then stop the
+        stretch it was read for if that grew past the budget since its first look."""
+        resident = resident_bytes()
+        with self._lock:
+            if resident is None or stretch != self._stretch or self._owner is None or self._raised_at:
+                return until
+            if self._rss_at is None:
+                self._rss_at = resident
+            elif resident - self._rss_at > self.memory_bytes:
+                self._stop(self._memory_stop, time.monotonic())
+                return None
+            return until
+
+    def _stop(self, stop: type[BudgetStop], now: float) -> None:
+        """Raise ``stop`` in the running code; once per stretch. Under the lock."""
+        _raise_in(self._thread, stop)
+        self._raised_at = now
+        self.stopped += 1
+        self._sleeping_until = None
 
 
 def watchdogs() -> tuple[Watchdog, Watchdog]:
@@ -212,6 +310,7 @@ def watchdogs() -> tuple[Watchdog, Watchdog]:
     from ..settings import value
 
     step_s, pack_s = float(value("VLLM_NNSIGHT_STEP_BUDGET_S")), float(value("VLLM_NNSIGHT_PACK_BUDGET_S"))
+    memory = int(value("VLLM_NNSIGHT_STEP_MEMORY_BYTES"))
     step = Watchdog(
         step_s,
         StepStop,
@@ -220,6 +319,11 @@ def watchdogs() -> tuple[Watchdog, Watchdog]:
         "(VLLM_NNSIGHT_STEP_BUDGET_S) and was stopped; the engine's other requests went on. "
         "A loop that never ends, or work too slow for one step: save the tensors and do "
         "the heavy work at home.",
+        memory_bytes=memory,
+        memory_message=f"the block grew this worker's memory by more than {memory / 2**20:g} MiB "
+        "while it ran (VLLM_NNSIGHT_STEP_MEMORY_BYTES) and was stopped; the engine's other "
+        "requests went on. Keep what a block builds small: save tensors rather than "
+        "accumulating copies.",
     )
     pack = Watchdog(
         pack_s,

@@ -1,0 +1,88 @@
+"""Parameters read whole under tensor parallelism.
+
+Each rank holds a slice of a parallel layer's weight: a column-parallel layer
+(``qkv_proj``, ``gate_up_proj``, ``lm_head``, ``embed_tokens``) its rows, a
+row-parallel one (``o_proj``, ``down_proj``) its columns. A block that reads
+``model.lm_head.weight[token]`` for a direction, or the whole matrix for a logit
+lens, would silently get one rank's rows. Here a block's read of such a
+parameter returns the whole tensor a one-device engine holds: the ranks' slices
+gathered over the tensor-parallel group (every rank runs the same block, so
+every rank makes the same read at the same point), fused projections laid out
+as on one device (``fragments.py``).
+
+The whole tensor is a copy made for that read, the size of the whole parameter
+on each rank, and freed with it; writing into it changes nothing in the model.
+Where the layout is not a plain slice (quantized, packed, or a vocabulary with
+added rows), the read is this rank's own slice, as vLLM holds it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .fragments import fused_layout, one_device
+
+
+def sharded_dim(module: Any, name: str, value: Any) -> int | None:
+    """The dimension along which ``module``'s parameter ``name`` is split over
+    ranks, or None when this rank holds it whole (or its layout is not a plain
+    slice)."""
+    if not isinstance(value, torch.nn.Parameter) or getattr(module, "tp_size", 1) < 2:
+        return None
+    if not value.dtype.is_floating_point or getattr(value, "packed_dim", None) is not None:
+        return None
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
+    from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    if module.tp_size != get_tensor_model_parallel_world_size():
+        return None  # split over some other group
+    if isinstance(module, RowParallelLinear):
+        return getattr(value, "input_dim", None) if name == "weight" else None
+    if isinstance(module, ColumnParallelLinear):
+        return getattr(value, "output_dim", None)
+    if isinstance(module, VocabParallelEmbedding):
+        if getattr(module, "num_added_embeddings", 0):
+            return None  # each rank's slice is its base rows then its added rows
+        return getattr(value, "output_dim", None)
+    return None
+
+
+def whole(module: Any, name: str, value: torch.Tensor, dim: int) -> torch.Tensor:
+    """The whole parameter, gathered from every rank's slice along ``dim``."""
+    from vllm.distributed import tensor_model_parallel_all_gather
+
+    gathered = tensor_model_parallel_all_gather(value.detach().contiguous(), dim=dim)
+    from vllm.model_executor.layers.linear import ColumnParallelLinear
+
+    layout = fused_layout(module) if isinstance(module, ColumnParallelLinear) else None
+    if layout is None or dim != 0:
+        return gathered
+    # A fused weight's (or bias's) rows come rank by rank; one device has them piece by piece.
+    rows_last = gathered.movedim(0, -1)
+    return one_device(rows_last, layout[0], layout[1], module.tp_size).movedim(-1, 0).contiguous()
+
+
+def read(module: Any, name: str, value: Any) -> Any:
+    """What a block reading ``module.<name>`` gets: ``value``, whole."""
+    dim = sharded_dim(module, name, value)
+    return value if dim is None else whole(module, name, value, dim)
+
+
+def read_whole(envoy_type: type) -> None:
+    """Make a block's parameter reads through ``envoy_type`` (nnsight's ``Envoy``)
+    whole on this worker. Once per process; only where the engine is sharded."""
+    original = envoy_type.__getattr__
+    if getattr(original, "_vllm_nnsight_whole", False):
+        return
+
+    def __getattr__(self: Any, name: str) -> Any:
+        value = original(self, name)
+        if isinstance(value, torch.nn.Parameter):
+            return read(self.__dict__.get("_module"), name, value)
+        return value
+
+    __getattr__._vllm_nnsight_whole = True  # type: ignore[attr-defined]
+    envoy_type.__getattr__ = __getattr__
