@@ -328,14 +328,21 @@ def test_the_async_client_can_ask_every_data_parallel_engine():
     each engine (``call_utility_all_async``). Without it, blocks on a
     data-parallel engine are refused rather than losing their saves."""
     import inspect
+    from types import SimpleNamespace
 
-    from vllm.v1.engine.core_client import AsyncMPClient, DPLBAsyncMPClient
+    import vllm
 
-    from vllm_nnsight_plugin.seams.frontend import reaches_every_engine
+    from vllm_nnsight_plugin.seams.frontend import reaches_every_engine, unsupported_parallelism
+    from vllm_nnsight_plugin.versions import release
 
-    assert reaches_every_engine()
-    assert "self.core_engines" in inspect.getsource(AsyncMPClient.call_utility_all_async)
-    assert "call_utility_all_async" in inspect.getsource(DPLBAsyncMPClient.call_utility_async)
+    if release(vllm.__version__) >= (0, 32, 0):  # the release the CPU runs: it must
+        from vllm.v1.engine.core_client import AsyncMPClient, DPLBAsyncMPClient
+
+        assert reaches_every_engine()
+        assert "self.core_engines" in inspect.getsource(AsyncMPClient.call_utility_all_async)
+        assert "call_utility_all_async" in inspect.getsource(DPLBAsyncMPClient.call_utility_async)
+    data_parallel = SimpleNamespace(pipeline_parallel_size=1, data_parallel_size=2)
+    assert (unsupported_parallelism(data_parallel) is None) == reaches_every_engine()
 
 
 def test_register_is_cheap_and_idempotent():

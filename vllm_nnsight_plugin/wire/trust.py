@@ -219,10 +219,14 @@ class NonceBook:
             directory = nonce_dir()
             if directory is None:
                 return True
-            if time.monotonic() - self._shared_pruned > _SHARED_PRUNE_S:
+            if time.monotonic() - self._shared_pruned > _SHARED_PRUNE_S:  # off the caller's thread
                 self._shared_pruned = time.monotonic()
-                _prune_shared(directory, now)
-            return _claim_shared(directory, nonce, expires)
+                threading.Thread(target=_prune_shared, args=(directory, now), daemon=True).start()
+            try:
+                return _claim_shared(directory, nonce, expires)
+            except UntrustedBlockError:
+                del self._seen[nonce]  # not recorded, so not used: the same envelope may come again
+                raise
 
 
 #: The environment variable naming the engine family's shared nonce directory.
