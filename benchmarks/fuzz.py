@@ -36,6 +36,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,7 +59,9 @@ SERVER_ENV = {
 class Case:
     kind: str
     path: str
-    body: bytes
+    #: The request's bytes; for a block that must arrive valid, made when it is
+    #: sent (its signature's lifetime starts then); None: the case before's (a replay).
+    body: bytes | Callable[[], bytes] | None
     headers: dict = field(default_factory=dict)
     method: str = "POST"
     #: Statuses this kind may answer with (anything else is counted unexpected).
@@ -201,7 +204,8 @@ class Maker:
                 ]
             )
             # Raw bytes (non-ASCII included): all but the control characters HTTP cannot carry.
-            headers = {"x-nnsight-signature": "".join(c for c in header if c.isprintable()).encode("utf-8")}
+            printable = "".join(c for c in header if c.isprintable()).strip()  # what HTTP can carry
+            headers = {"x-nnsight-signature": printable.encode("utf-8")}
             return Case(kind, "/v1/nnsight/edits", body, {**headers, "content-type": "application/json"}, expect=frozenset({403, 413}))
         if kind == "unsigned tree":
             return Case(kind, "/v1/nnsight/model", b"", method="GET", expect=frozenset({403}))
@@ -219,9 +223,13 @@ class Maker:
         from vllm_nnsight_plugin.versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT
         from vllm_nnsight_plugin.wire.envelope import seal
 
-        envelope = seal(self.blocks["reads"], nnsight_version=SUPPORTED_NNSIGHT, plugin_version=PLUGIN_VERSION, key=self.key)
-        body = self.completion({"nnsight": envelope})
-        again = Case("replay (second use)", "/v1/completions", body, expect=frozenset({403}))
+        def body() -> bytes:
+            envelope = seal(
+                self.blocks["reads"], nnsight_version=SUPPORTED_NNSIGHT, plugin_version=PLUGIN_VERSION, key=self.key
+            )
+            return self.completion({"nnsight": envelope})
+
+        again = Case("replay (second use)", "/v1/completions", None, expect=frozenset({403}))
         return Case("replay (first use)", "/v1/completions", body, expect=frozenset({200}), then=again)
 
     def careless(self) -> Case:
@@ -231,9 +239,15 @@ class Maker:
         weights = {name: 1 for name in self.blocks}
         weights["forever"] = weights["hoards memory"] = 0.05  # each costs a budget
         name = self.rng.choices(list(weights), list(weights.values()))[0]
-        envelope = seal(self.blocks[name], nnsight_version=SUPPORTED_NNSIGHT, plugin_version=PLUGIN_VERSION, key=self.key)
         expect = {"reads": {200}, "cast dtype": {200}}.get(name, {422})
-        return Case(f"signed: {name}", "/v1/completions", self.completion({"nnsight": envelope}), expect=frozenset(expect))
+
+        def body() -> bytes:
+            envelope = seal(
+                self.blocks[name], nnsight_version=SUPPORTED_NNSIGHT, plugin_version=PLUGIN_VERSION, key=self.key
+            )
+            return self.completion({"nnsight": envelope})
+
+        return Case(f"signed: {name}", "/v1/completions", body, expect=frozenset(expect))
 
     def draw(self) -> Case:
         roll = self.rng.random()
@@ -367,9 +381,12 @@ def fuzz(
 
     def send(case: Case) -> None:
         while case is not None:
+            body = case.body() if callable(case.body) else case.body
+            if case.then is not None and case.then.body is None:
+                case.then.body = body
             try:
                 headers = {"content-type": "application/json", **case.headers}
-                response = http.request(case.method, url + case.path, content=case.body, headers=headers)
+                response = http.request(case.method, url + case.path, content=body, headers=headers)
             except httpx.HTTPError as error:
                 with lock:
                     report.transport_errors += 1

@@ -42,6 +42,9 @@ def test_instance_state_the_worker_reads_exists():
     mediator = nns.Mediator(compile("x = 1", "<t>", "exec"), {}, {})
     request = nns.Request("abc-0123abcd")
     requests = nns.new_requests()
+    import torch
+    from nnsight.intervention.envoy import Envoy
+
     from vllm_nnsight_plugin.worker.batching import CheckedBatcher
     from vllm_nnsight_plugin.worker.fragments import FusedFragments
 
@@ -52,6 +55,7 @@ def test_instance_state_the_worker_reads_exists():
         (requests, "Requests"),
         (batcher, "VLLMBatcher"),
         (FusedFragments(), "VLLMFragments"),
+        (Envoy(torch.nn.Linear(1, 1)), "Envoy"),
     )
     for obj, name in pairs:
         for attribute in nns.INSTANCE_TOUCHES[name]:

@@ -128,6 +128,7 @@ INSTANCE_TOUCHES: dict[str, tuple[str, ...]] = {
     "Requests": ("requests", "templates", "names"),
     "VLLMBatcher": ("clone_reads",),
     "VLLMFragments": ("enabled", "rules"),
+    "Envoy": ("_module", "path"),
 }
 
 

@@ -10,6 +10,15 @@ into the one-device layout before a block sees it, and takes this rank's slices
 back out of it (an edit included) before vLLM goes on. Keys and values that
 vLLM replicates over ranks (fewer key/value heads than ranks) appear once, as
 on one device.
+
+The MLP's activation (``mlp.act_fn.output``) is no parallel layer's, but each
+rank computes it from its own slice of ``gate_up_proj``: its columns of the
+intermediate features, which the ranks' concatenation puts in one device's
+order. It is gathered and split like a column-parallel output. So are the
+attention kernel's arguments (``self_attn.attn.input``: the rotated queries,
+keys and values, each rank's own heads), where each rank holds key/value heads
+of its own; where vLLM repeats them over ranks (fewer key/value heads than
+ranks) they stay each rank's.
 """
 
 from __future__ import annotations
@@ -37,6 +46,12 @@ def fused_layout(module: Any) -> tuple[list[int], list[int]] | None:
     return widths, replicas
 
 
+def _split_output(module: Any) -> bool:
+    """Whether ``module`` is a fused column-parallel layer whose output each rank
+    holds a slice of (vLLM does not gather it)."""
+    return fused_layout(module) is not None and not getattr(module, "gather_output", False)
+
+
 def one_device(gathered: torch.Tensor, widths: list[int], replicas: list[int], tp: int) -> torch.Tensor:
     """The ranks' concatenation (rank by rank) in one device's layout (piece by piece)."""
     per_rank = gathered.reshape(*gathered.shape[:-1], tp, sum(widths))
@@ -59,8 +74,26 @@ def this_rank(whole: torch.Tensor, widths: list[int], replicas: list[int], tp: i
     return torch.cat(mine, dim=-1).contiguous()
 
 
+#: The side recorded for a value computed from a column-parallel layer's output
+#: (gathered and split as that layer's output, with no fused layout).
+ACTIVATION = "activation"
+
+
 class FusedFragments(VLLMFragments):
-    """nnsight's gathering, with fused projections laid out as on one device."""
+    """nnsight's gathering, with fused projections laid out as on one device, and
+    the MLP's activation gathered too."""
+
+    def instrument(self, envoy: Any) -> None:
+        super().instrument(envoy)
+        module = envoy._module
+        gate_up = getattr(module, "gate_up_proj", None)
+        if hasattr(module, "act_fn") and _split_output(gate_up):
+            self.rules[f"{envoy.path}.act_fn.output"] = (gate_up, ACTIVATION)
+            self.enabled = True
+        qkv = getattr(module, "qkv_proj", None)
+        if hasattr(module, "attn") and _split_output(qkv) and getattr(qkv, "num_kv_head_replicas", 1) == 1:
+            self.rules[f"{envoy.path}.attn.input"] = (qkv, ACTIVATION)
+            self.enabled = True
 
     def _layout(self, location: str) -> tuple[list[int], list[int]] | None:
         module, side = self.rules[location]
