@@ -6,8 +6,8 @@ so two CPU cores can hold the load, runs, stops it, and prints a JSON report:
 
 - ``load``: ``--requests`` at once (1,000), half carrying a signed block, half
   plain, half through the ``openai`` client and half raw HTTP, half streaming.
-  Then the same number of plain requests at once, on this server and on one with
-  the plugin switched off. Lost requests, p50/p99 latency of each kind, and the
+  Before it, the same number of plain requests at once, on this server (after
+  the same warm-up as the other) and on one with the plugin switched off. Lost requests, p50/p99 latency of each kind, and the
   ratios the operators' page quotes.
 - ``disconnects``: ``--requests`` (500) traced streaming requests whose clients
   drop mid-stream or abort before the answer; afterwards the workers must hold
@@ -242,9 +242,10 @@ def load(args: argparse.Namespace) -> dict:
     report: dict = {}
     server = start(key, "/tmp/reliability-load.log")
     try:
-        asyncio.run(_burst(server.url, 64, key, block, 0.5))  # warm-up
+        asyncio.run(_burst(server.url, 64, None, None, 0.0))  # the same warm-up as the stock server's
+        plain = asyncio.run(_burst(server.url, args.requests, None, None, 0.0))  # then measured alike
+        asyncio.run(_burst(server.url, 64, key, block, 0.5))
         mixed = asyncio.run(_burst(server.url, args.requests, key, block, 0.5))
-        plain = asyncio.run(_burst(server.url, args.requests, None, None, 0.0))
         report["engine_alive"] = worker_stats(server.url).get("tracked") == 0
     finally:
         server.stop()

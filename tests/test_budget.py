@@ -226,3 +226,23 @@ def test_short_stretches_in_quick_succession_do_not_wake_the_watcher():
         ticks = (time.monotonic() - started) / watch._tick_s
         assert stretches > 1000
         assert watch.wakeups <= 1.5 * ticks + 3, (watch.wakeups, ticks, stretches)
+
+
+def test_a_finished_blocks_saved_ids_are_forgotten():
+    """``worker/_nnsight.OwnedSaves``: ids saved while a block runs are that
+    block's, and leave nnsight's save set with it, whatever other blocks saved."""
+    from vllm_nnsight_plugin.worker._nnsight import OwnedSaves
+
+    saves, first, second = OwnedSaves({1}), Owner(), Owner()
+    saves.owner = first
+    saves.add(10)
+    saves.add(11)
+    saves.owner = second
+    saves.add(20)
+    saves.owner = None
+    saves.add(30)  # saved outside any block: kept until the set is cleared
+    saves.forget(first)
+    assert saves == {1, 20, 30}
+    saves.forget(second)
+    saves.forget(second)
+    assert saves == {1, 30}

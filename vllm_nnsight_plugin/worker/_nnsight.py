@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import io
 import linecache
+import weakref
 from typing import Any
 
 from nnsight.intervention.errors import capture_exception
@@ -251,6 +252,49 @@ def open_save_scope() -> None:
         inc()
 
 
+class OwnedSaves(set):
+    """nnsight's per-thread set of saved object ids, which also keeps which block
+    saved each (the one running when ``.save()`` was called: :func:`time_switches`
+    sets ``owner``), so a finished block's ids can be forgotten
+    (:func:`forget_saves`). Without that, a value a block saved but did not keep
+    under a name (or one whose block raised) stays in the set for as long as the
+    engine is never idle: the set grows, and a later object given the same id
+    would pass for saved."""
+
+    def __init__(self, *items: Any) -> None:
+        super().__init__(*items)
+        self.owner: Any = None
+        self.by_owner: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def add(self, item: Any) -> None:
+        super().add(item)
+        if self.owner is not None:
+            try:
+                self.by_owner.setdefault(self.owner, []).append(item)
+            except TypeError:  # an owner that cannot be weakly referenced
+                pass
+
+    def forget(self, owner: Any) -> None:
+        try:
+            items = self.by_owner.pop(owner, ())
+        except TypeError:
+            return
+        for item in items:
+            self.discard(item)
+
+    def clear(self) -> None:
+        super().clear()
+        self.by_owner = weakref.WeakKeyDictionary()
+
+
+def owned_saves() -> OwnedSaves:
+    """This thread's save set, as an :class:`OwnedSaves` (installed on first use)."""
+    saves = _saves()
+    if not isinstance(saves, OwnedSaves):
+        saves = _local.saves = OwnedSaves(saves)
+    return saves
+
+
 def saves_tracked() -> int:
     """How many objects nnsight's per-thread save set holds (a leak shows here)."""
     return len(_saves())
@@ -259,6 +303,13 @@ def saves_tracked() -> int:
 def clear_saves() -> None:
     """Forget every saved id (nothing is in flight, so none can matter)."""
     _saves().clear()
+
+
+def forget_saves(mediator: Any) -> None:
+    """Forget the ids a finished block saved (its values are collected or dropped)."""
+    saves = _saves()
+    if isinstance(saves, OwnedSaves):
+        saves.forget(mediator)
 
 
 # ---------------------------------------------------------------------- a step
@@ -296,13 +347,16 @@ def is_out_of_order(error: Any) -> bool:
 
 
 def time_switches(watch: Any) -> None:
-    """Every switch into a block's code is timed by ``watch`` (``budget.py``):
-    nnsight runs a block only inside ``Mediator.switch``. Once per process."""
+    """Every switch into a block's code is timed by ``watch`` (``budget.py``), and
+    what it saves is marked as its own (:class:`OwnedSaves`): nnsight runs a
+    block only inside ``Mediator.switch``. Once per process."""
     original = Mediator.switch
     if getattr(original, "_vllm_nnsight_timed", False):
         return
 
     def switch(self: Any, *args: Any) -> Any:
+        saves = owned_saves()
+        before, saves.owner = saves.owner, self  # what the block saves now is this block's
         try:
             watch.enter(self)
             return original(self, *args)
@@ -310,6 +364,7 @@ def time_switches(watch: Any) -> None:
             raise watch.error(stop) from None
         finally:
             watch.leave()
+            saves.owner = before
 
     switch._vllm_nnsight_timed = True  # type: ignore[attr-defined]
     Mediator.switch = switch
@@ -360,6 +415,7 @@ def collect_entries(
                 sequence["saves"] = values
             for value in values.values():
                 saved.discard(id(value))
+            forget_saves(mediator)
         if reporting and entry["error"] is None:
             entry["error"] = request.deferred()
         if not request.copies:
