@@ -364,7 +364,7 @@ def soak(args: argparse.Namespace) -> dict:
     key = secrets.token_hex(32)
     blocks = {"reads": block_bytes(), "fails": block_bytes("fails")}
     server = start(key, "/tmp/reliability-soak.log")
-    samples, outcomes = [], {}
+    samples, outcomes, errors = [], {}, []
     rng = random.Random(args.seed)
     try:
         model = VLLM(tiny_qwen3_path())
@@ -381,6 +381,8 @@ def soak(args: argparse.Namespace) -> dict:
                 for result in results:
                     key_of = (result["kind"], "ok" if result["ok"] else "failed")
                     outcomes[key_of] = outcomes.get(key_of, 0) + 1
+                    if not result["ok"] and result["kind"] != "failing" and len(errors) < 5:
+                        errors.append(result.get("error") or result.get("status"))
                 done += wave
                 if done % (wave * 16) == 0:
                     stats = worker_stats(server.url)
@@ -403,6 +405,7 @@ def soak(args: argparse.Namespace) -> dict:
     return {
         "requests": sum(outcomes.values()),
         "outcomes": {f"{kind}: {how}": count for (kind, how), count in sorted(outcomes.items())},
+        "unexpected_failures": errors,
         "rss_growth_after_warmup": growth,
         "threads": {role: (warm[role]["threads"], last[role]["threads"]) for role in growth},
         "fds": {role: (warm[role]["fds"], last[role]["fds"]) for role in growth},

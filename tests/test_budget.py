@@ -239,10 +239,20 @@ def test_a_finished_blocks_saved_ids_are_forgotten():
     saves.add(11)
     saves.owner = second
     saves.add(20)
+    saves.add(11)  # the same id saved by two blocks stays while either holds it
     saves.owner = None
     saves.add(30)  # saved outside any block: kept until the set is cleared
     saves.forget(first)
-    assert saves == {1, 20, 30}
+    assert saves == {1, 11, 20, 30}
     saves.forget(second)
     saves.forget(second)
+    assert saves == {1, 30}
+    third = Owner()
+    saves.owner = third
+    saves.add(40)
+    saves.owner = None
+    del third  # a block nobody collects (an installed edit's copy): freed with its mediator
+    import gc
+
+    gc.collect()
     assert saves == {1, 30}

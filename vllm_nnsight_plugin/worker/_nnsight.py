@@ -25,6 +25,7 @@ Imported by the runtime with the first request that carries a block, never befor
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import linecache
@@ -255,36 +256,55 @@ def open_save_scope() -> None:
 class OwnedSaves(set):
     """nnsight's per-thread set of saved object ids, which also keeps which block
     saved each (the one running when ``.save()`` was called: :func:`time_switches`
-    sets ``owner``), so a finished block's ids can be forgotten
-    (:func:`forget_saves`). Without that, a value a block saved but did not keep
-    under a name (or one whose block raised) stays in the set for as long as the
-    engine is never idle: the set grows, and a later object given the same id
-    would pass for saved."""
+    sets ``owner``). A block's ids leave the set when it is collected
+    (:func:`forget_saves`) or, for one nobody collects (an installed edit's copy,
+    a block dropped), when its mediator is freed. Without that, a value a block
+    saved but did not keep under a name (or one whose block raised) stays in the
+    set for as long as the engine is never idle: the set grows, and a later
+    object given the same id would pass for saved."""
 
     def __init__(self, *items: Any) -> None:
         super().__init__(*items)
         self.owner: Any = None
-        self.by_owner: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._owned: dict[int, tuple[Any, list]] = {}  # id(owner) -> (weak ref to it, its ids)
+        self._owners: dict[Any, int] = {}  # an id -> how many blocks hold it (ids are reused)
 
     def add(self, item: Any) -> None:
         super().add(item)
-        if self.owner is not None:
+        owner = self.owner
+        if owner is None:
+            return
+        entry = self._owned.get(id(owner))
+        if entry is None:
             try:
-                self.by_owner.setdefault(self.owner, []).append(item)
-            except TypeError:  # an owner that cannot be weakly referenced
-                pass
+                ref = weakref.ref(owner, functools.partial(self._freed, id(owner)))
+            except TypeError:  # an owner that cannot be weakly referenced keeps no account
+                return
+            entry = self._owned[id(owner)] = (ref, [])
+        entry[1].append(item)
+        self._owners[item] = self._owners.get(item, 0) + 1
 
     def forget(self, owner: Any) -> None:
-        try:
-            items = self.by_owner.pop(owner, ())
-        except TypeError:
-            return
-        for item in items:
-            self.discard(item)
+        self._drop(id(owner))
+
+    def _freed(self, key: int, ref: Any) -> None:
+        entry = self._owned.get(key)
+        if entry is not None and entry[0] is ref:
+            self._drop(key)
+
+    def _drop(self, key: int) -> None:
+        entry = self._owned.pop(key, None)
+        for item in entry[1] if entry is not None else ():
+            left = self._owners.get(item, 1) - 1
+            if left > 0:
+                self._owners[item] = left  # another block still holds it
+            else:
+                self._owners.pop(item, None)
+                self.discard(item)
 
     def clear(self) -> None:
         super().clear()
-        self.by_owner = weakref.WeakKeyDictionary()
+        self._owned, self._owners = {}, {}
 
 
 def owned_saves() -> OwnedSaves:
