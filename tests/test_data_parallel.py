@@ -42,16 +42,19 @@ def client(tiny_qwen3_path):
 def read(client, url: str) -> tuple[torch.Tensor, list[int]]:
     with client.trace(PROMPT, temperature=0.0, max_tokens=4, serve=url, key=KEY) as tracer:
         mlp = client.model.layers[1].mlp.output.clone().save()
-        result = tracer.result.save()
-    return mlp, list(result.outputs[0].token_ids)
+        drawn = list().save()
+        for _ in tracer.iter[:4]:
+            drawn.append(client.samples.item())
+    return mlp, drawn
 
 
 def steer(client, url: str) -> list[int]:
     with client.trace(PROMPT, temperature=0.0, max_tokens=4, serve=url, key=KEY) as tracer:
+        drawn = list().save()
         for _ in tracer.iter[:4]:
             client.model.layers[0].mlp.output[:] = 0
-        result = tracer.result.save()
-    return list(result.outputs[0].token_ids)
+            drawn.append(client.samples.item())
+    return drawn
 
 
 def test_saves_come_back_from_whichever_engine_ran_the_request(two_engines, client, tiny_qwen3_path):
