@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 import queue
 import threading
 import time
@@ -73,6 +74,8 @@ class StepMemoryError(StepBudgetError):
 
 #: How often a running block's memory is looked at.
 MEMORY_EVERY_S = 0.1
+#: The size of the pages ``/proc/self/statm`` counts.
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def resident_bytes() -> int | None:
@@ -82,14 +85,6 @@ def resident_bytes() -> int | None:
             return int(statm.read().split()[1]) * _PAGE
     except (OSError, ValueError, IndexError):
         return None
-
-
-try:
-    import os as _os
-
-    _PAGE = _os.sysconf("SC_PAGE_SIZE")
-except (AttributeError, ValueError, OSError):  # pragma: no cover
-    _PAGE = 4096
 
 
 class _Withdrawn(BaseException):
