@@ -21,7 +21,11 @@ def adapted(tiny_qwen3_path, tmp_path_factory):
     from vllm_nnsight_plugin.models.tiny import build_lora_adapter, merged_lora
 
     adapter = build_lora_adapter(tmp_path_factory.mktemp("lora"), tiny_qwen3_path)
-    llm = start_llm(tiny_qwen3_path, enable_lora=True, max_lora_rank=8, max_loras=1)
+    # Two slots, one adapter: vLLM's CPU LoRA kernels (0.32) read a row without
+    # an adapter from the last slot (index -1), so with one slot a plain request
+    # beside an adapted one in the same step gets the adapter too (vllm-project/
+    # vllm#48421). An empty last slot adds nothing.
+    llm = start_llm(tiny_qwen3_path, enable_lora=True, max_lora_rank=8, max_loras=2)
     base = AutoModelForCausalLM.from_pretrained(tiny_qwen3_path, dtype=torch.float32).eval()
     merged = AutoModelForCausalLM.from_pretrained(tiny_qwen3_path, dtype=torch.float32).eval()
     merged_lora(merged, adapter)
