@@ -422,3 +422,51 @@ def test_the_plugins_variables_are_known_to_vllm_and_change_no_cache_key():
     package = Path(settings.__file__).parent
     named = {m for path in package.rglob("*.py") for m in re.findall(r"VLLM_NNSIGHT_[A-Z0-9_]+", path.read_text())}
     assert named <= set(settings.ENVIRONMENT), sorted(named - set(settings.ENVIRONMENT))
+
+
+def test_the_reads_whole_parameters_under_tensor_parallelism_rely_on():
+    """``seams.parallel_split`` and ``tensor_parallel_gather``: vLLM's parallel
+    layer classes, the group's size and its gather, and the attributes on a
+    sharded parameter that say which dimension is split."""
+    import torch
+    from vllm.distributed import parallel_state, tensor_model_parallel_all_gather
+    from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    assert callable(parallel_state.get_tensor_model_parallel_world_size)
+    assert "dim" in inspect.signature(tensor_model_parallel_all_gather).parameters
+    linear = inspect.getsource(inspect.getmodule(ColumnParallelLinear))
+    vocab = inspect.getsource(inspect.getmodule(VocabParallelEmbedding))
+    assert issubclass(RowParallelLinear, torch.nn.Module) and "self.tp_size" in linear
+    assert "input_dim=1" in linear and "output_dim=0" in linear  # the unquantized weight's split
+    assert "self.tp_size" in vocab and "self.num_added_embeddings" in vocab
+    assert seams.parallel_split(torch.nn.Linear(2, 2)) is None  # one device: held whole
+
+
+#: vLLM modules code outside ``seams/`` may import: its public API (``LLM``,
+#: ``SamplingParams``, ``AsyncLLM`` and its engine arguments, ``vllm.envs``, the
+#: platform and the version). Everything else of vLLM's is reached through seams.
+PUBLIC_VLLM = {"vllm", "vllm.envs", "vllm.platforms", "vllm.engine.arg_utils", "vllm.v1.engine.async_llm"}
+
+
+def test_vllm_internals_are_imported_only_in_the_seams_package():
+    import ast
+    from pathlib import Path
+
+    package = Path(seams.__file__).parent.parent
+    found = []
+    for path in package.rglob("*.py"):
+        if "seams" in path.relative_to(package).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            found += [
+                f"{path.relative_to(package)}: {name}"
+                for name in names
+                if (name == "vllm" or name.startswith("vllm.")) and name not in PUBLIC_VLLM
+            ]
+    assert not found, found

@@ -73,7 +73,9 @@ Worker (each process that runs the model; ``worker.py``):
   persistent batch (``StepLayout``) and per-request state; the sampler output's
   token ids; what the tap tables are sized by, whether a new request's whole
   prompt is in its first step, and which rows' samples vLLM throws away (a
-  recompute's chunks before its last, ``discarded_rows``). The front end reads
+  recompute's chunks before its last, ``discarded_rows``), and how a parallel
+  layer's parameters are split over ranks (``parallel_split``,
+  ``tensor_parallel_gather``; ``worker/parameters.py``). The front end reads
   each engine's ``input_processor``, which holds the book of installed edits.
 """
 
@@ -384,6 +386,7 @@ from .worker import (  # noqa: E402
     model_of,
     new_params,
     new_requests,
+    parallel_split,
     patch_model_runner,
     reports_saves,
     request_state,
@@ -398,6 +401,7 @@ from .worker import (  # noqa: E402
     speculates,
     step_rows,
     tap_table_sizes,
+    tensor_parallel_gather,
     tokenizer_of,
     whole_prompt_scheduled,
 )
@@ -462,6 +466,7 @@ __all__ = [
     "patch_engine_args",
     "patch_input_processor",
     "patch_llm_engine",
+    "parallel_split",
     "patch_model_runner",
     "patch_openai_chat",
     "patch_openai_completion",
@@ -480,6 +485,7 @@ __all__ = [
     "speculates",
     "step_rows",
     "tap_table_sizes",
+    "tensor_parallel_gather",
     "tokenizer_of",
     "whole_prompt_scheduled",
     "worker",

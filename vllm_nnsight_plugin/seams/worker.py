@@ -274,3 +274,33 @@ def tap_table_sizes(runner: Any) -> tuple[int, int, int, Any]:
     sizes = getattr(config.compilation_config, "cudagraph_capture_sizes", None) or ()
     max_tokens = max([int(scheduler.max_num_batched_tokens), *sizes])
     return max_tokens, config.model_config.get_hidden_size(), int(scheduler.max_num_seqs), runner.device
+
+
+def parallel_split(module: Any) -> str | None:
+    """How a layer's parameters are split over the tensor-parallel group:
+    ``"row"`` (``RowParallelLinear``: its weight's input columns), ``"column"``
+    (``ColumnParallelLinear``: output rows), ``"vocab"`` (a
+    ``VocabParallelEmbedding`` without added rows), or None (held whole, split
+    over another group, or laid out otherwise). Read by ``worker/parameters.py``."""
+    if getattr(module, "tp_size", 1) < 2:
+        return None
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
+    from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    if module.tp_size != get_tensor_model_parallel_world_size():
+        return None
+    if isinstance(module, RowParallelLinear):
+        return "row"
+    if isinstance(module, ColumnParallelLinear):
+        return "column"
+    if isinstance(module, VocabParallelEmbedding) and not getattr(module, "num_added_embeddings", 0):
+        return "vocab"  # with added rows, each rank's slice is its base rows then its added rows
+    return None
+
+
+def tensor_parallel_gather(tensor: Any, dim: int) -> Any:
+    """Every tensor-parallel rank's ``tensor``, concatenated along ``dim``."""
+    from vllm.distributed import tensor_model_parallel_all_gather
+
+    return tensor_model_parallel_all_gather(tensor, dim=dim)

@@ -257,18 +257,36 @@ def ensure_nonce_dir() -> str:
     return directory
 
 
-def _claim_shared(directory: str, nonce: str, expires: float) -> bool:
+#: Shared nonce directories this process has made (or found) and checked are its
+#: own: checked once, not on every claim; checked again if one disappears.
+_CHECKED_DIRS: set[str] = set()
+
+
+def _own_directory(directory: str) -> None:
     import stat
 
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    found = os.lstat(directory)
+    if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid():
+        raise UntrustedBlockError("the server's nonce store is not its own; it takes no blocks.")
+    _CHECKED_DIRS.add(directory)
+
+
+def _claim_shared(directory: str, nonce: str, expires: float) -> bool:
     name = os.path.join(directory, hashlib.sha256(nonce.encode("utf-8", "replace")).hexdigest()[:40])
     try:
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        found = os.lstat(directory)
-        if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid():
-            raise UntrustedBlockError("the server's nonce store is not its own; it takes no blocks.")
-        handle = os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        if directory not in _CHECKED_DIRS:
+            _own_directory(directory)
+        try:
+            handle = os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        except FileNotFoundError:  # the directory went away: make and check it again
+            _CHECKED_DIRS.discard(directory)
+            _own_directory(directory)
+            handle = os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     except FileExistsError:
         return False
+    except UntrustedBlockError:
+        raise
     except OSError as error:
         raise UntrustedBlockError(
             f"the server could not record this block's nonce ({type(error).__name__}); try again."

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .. import seams
 from .fragments import fused_layout, one_device
 
 
@@ -33,31 +34,18 @@ def sharded_dim(module: Any, name: str, value: Any) -> int | None:
         return None
     if not value.dtype.is_floating_point or getattr(value, "packed_dim", None) is not None:
         return None
-    from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
-    from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-
-    if module.tp_size != get_tensor_model_parallel_world_size():
-        return None  # split over some other group
-    if isinstance(module, RowParallelLinear):
+    split = seams.parallel_split(module)
+    if split == "row":
         return getattr(value, "input_dim", None) if name == "weight" else None
-    if isinstance(module, ColumnParallelLinear):
-        return getattr(value, "output_dim", None)
-    if isinstance(module, VocabParallelEmbedding):
-        if getattr(module, "num_added_embeddings", 0):
-            return None  # each rank's slice is its base rows then its added rows
+    if split in ("column", "vocab"):
         return getattr(value, "output_dim", None)
     return None
 
 
 def whole(module: Any, name: str, value: torch.Tensor, dim: int) -> torch.Tensor:
     """The whole parameter, gathered from every rank's slice along ``dim``."""
-    from vllm.distributed import tensor_model_parallel_all_gather
-
-    gathered = tensor_model_parallel_all_gather(value.detach().contiguous(), dim=dim)
-    from vllm.model_executor.layers.linear import ColumnParallelLinear
-
-    layout = fused_layout(module) if isinstance(module, ColumnParallelLinear) else None
+    gathered = seams.tensor_parallel_gather(value.detach().contiguous(), dim)
+    layout = fused_layout(module) if seams.parallel_split(module) == "column" else None
     if layout is None or dim != 0:
         return gathered
     # A fused weight's (or bias's) rows come rank by rank; one device has them piece by piece.
