@@ -45,6 +45,8 @@ def read(client, url: str) -> tuple[torch.Tensor, list[int]]:
         drawn = list().save()
         for _ in tracer.iter[:4]:
             drawn.append(client.samples.item())
+        result = tracer.result.save()  # decoded by threads at once (the pool below)
+    assert list(result.outputs[0].token_ids) == drawn
     return mlp, drawn
 
 

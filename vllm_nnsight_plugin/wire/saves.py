@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import io
+import threading
 from typing import Any, NamedTuple
 
 #: The field the saves ride in, on responses and on the final stream event.
@@ -97,6 +98,12 @@ def _record_class(module: str, name: str) -> type:
     return found
 
 
+#: torch's list of admitted classes (``safe_globals``) is one per process, and
+#: leaving the context puts back what was there on entry: two threads decoding at
+#: once would take each other's admissions away mid-load. One load at a time.
+_LOADING = threading.Lock()
+
+
 def decode_request(document: dict) -> DecodedSaves:
     """The saves in :func:`encode_request`'s document."""
     import re
@@ -110,7 +117,7 @@ def decode_request(document: dict) -> DecodedSaves:
     allowed: list[type] = []
     while True:
         try:
-            with torch.serialization.safe_globals(allowed):
+            with _LOADING, torch.serialization.safe_globals(allowed):
                 blob = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=not trusted)
             break
         except Exception as error:
