@@ -280,7 +280,7 @@ def load(args: argparse.Namespace) -> dict:
         plain_with_plugin=latency_summary([r["s"] for r in plain if r["ok"]]),
         plain_without_plugin=latency_summary([r["s"] for r in plain_stock if r["ok"]]),
         plain_p99_plugin_over_stock_by_round=rounds,
-        plain_p99_plugin_over_stock_median_round=sorted(rounds)[len(rounds) // 2],
+        plain_p99_plugin_over_stock_median_round=statistics.median(rounds),
     )
     report["traced_p99_over_plain_p99"] = round(report["mixed_traced"]["p99_s"] / report["mixed_plain"]["p99_s"], 3)
     report["plain_p99_plugin_over_stock"] = round(

@@ -26,15 +26,12 @@ from .. import seams
 from .fragments import fused_layout, one_device
 
 
-def sharded_dim(module: Any, name: str, value: Any) -> int | None:
-    """The dimension along which ``module``'s parameter ``name`` is split over
-    ranks, or None when this rank holds it whole (or its layout is not a plain
-    slice)."""
-    if not isinstance(value, torch.nn.Parameter) or getattr(module, "tp_size", 1) < 2:
+def sharded_dim(split: str | None, name: str, value: Any) -> int | None:
+    """The dimension along which a parameter ``name`` of a layer split as
+    ``split`` (``seams.parallel_split``) is divided over ranks, or None when this
+    rank holds it whole (or its layout is not a plain slice)."""
+    if split is None or not value.dtype.is_floating_point or getattr(value, "packed_dim", None) is not None:
         return None
-    if not value.dtype.is_floating_point or getattr(value, "packed_dim", None) is not None:
-        return None
-    split = seams.parallel_split(module)
     if split == "row":
         return getattr(value, "input_dim", None) if name == "weight" else None
     if split in ("column", "vocab"):
@@ -42,10 +39,10 @@ def sharded_dim(module: Any, name: str, value: Any) -> int | None:
     return None
 
 
-def whole(module: Any, name: str, value: torch.Tensor, dim: int) -> torch.Tensor:
+def whole(module: Any, split: str, value: torch.Tensor, dim: int) -> torch.Tensor:
     """The whole parameter, gathered from every rank's slice along ``dim``."""
     gathered = seams.tensor_parallel_gather(value.detach().contiguous(), dim)
-    layout = fused_layout(module) if seams.parallel_split(module) == "column" else None
+    layout = fused_layout(module) if split == "column" else None
     if layout is None or dim != 0:
         return gathered
     # A fused weight's (or bias's) rows come rank by rank; one device has them piece by piece.
@@ -55,8 +52,11 @@ def whole(module: Any, name: str, value: torch.Tensor, dim: int) -> torch.Tensor
 
 def read(module: Any, name: str, value: Any) -> Any:
     """What a block reading ``module.<name>`` gets: ``value``, whole."""
-    dim = sharded_dim(module, name, value)
-    return value if dim is None else whole(module, name, value, dim)
+    if not isinstance(value, torch.nn.Parameter):
+        return value
+    split = seams.parallel_split(module)
+    dim = sharded_dim(split, name, value)
+    return value if dim is None else whole(module, split, value, dim)
 
 
 def read_whole(envoy_type: type) -> None:
