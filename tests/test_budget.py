@@ -26,13 +26,7 @@ def watchdog(budget_s: float) -> Watchdog:
 
 def run(watch: Watchdog, owner, body):
     """``body`` as the runtime runs request code: a stop becomes the request's error."""
-    try:
-        watch.enter(owner)
-        return body()
-    except watch.stop as stop:
-        raise watch.error(stop) from None
-    finally:
-        watch.leave()
+    return watch.run(owner, body)
 
 
 class Owner:
@@ -256,3 +250,114 @@ def test_a_finished_blocks_saved_ids_are_forgotten():
 
     gc.collect()
     assert saves == {1, 30}
+
+
+class Racing:
+    """A thread that looks as the watcher does, as fast as it can, with the
+    interpreter handed between threads every microsecond: stops land at every
+    point of the engine thread's code, not only at the watcher's ticks."""
+
+    def __init__(self, watch: Watchdog) -> None:
+        import threading
+
+        self.watch, self.done = watch, False
+        self.thread = threading.Thread(target=self._race, daemon=True)
+
+    def _race(self) -> None:
+        while not self.done:
+            self.watch.look()
+
+    def __enter__(self) -> Racing:
+        import sys
+
+        self.interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import sys
+
+        self.done = True
+        self.thread.join()
+        sys.setswitchinterval(self.interval)
+
+
+def test_a_hundred_thousand_stops_racing_the_switch_each_become_the_blocks_error():
+    """nnsight's own ``Mediator.switch`` into a block's greenlet, wrapped as the
+    worker wraps it, with every stretch over its budget and stops sent at random
+    points: each stop raised becomes that block's ``StepBudgetError`` (the rest
+    were taken back unraised, the block having left), none comes out as a bare
+    stop (which would end the engine), and the saves' owner is always restored."""
+    from greenlet import getcurrent, greenlet
+    from nnsight.intervention.interleaver import Mediator
+
+    from vllm_nnsight_plugin.worker._nnsight import owned_saves, timed_switch
+
+    watch = watchdog(1e-9)
+    switch = timed_switch(Mediator.switch, watch)
+    saves = owned_saves()
+
+    class Block:  # what Mediator.switch reads: the block's greenlet
+        def __init__(self) -> None:
+            self.worker = greenlet(self.body)
+
+        def body(self) -> int:
+            total = 0
+            for step in range(3):
+                total += step
+                getcurrent().parent.switch(total)  # parks at a location, as a block does
+            return total
+
+    errors, escaped, owner_changed, finished = 0, [], 0, []
+    with Racing(watch):
+        while watch.stopped < 100_000:
+            block = Block()
+            while not block.worker.dead:
+                try:
+                    switch(block)
+                except StepBudgetError:
+                    errors += 1
+                    break
+                except BaseException as error:  # noqa: BLE001 - what must never happen
+                    escaped.append(error)
+                    break
+                finally:
+                    owner_changed += saves.owner is not None
+            finished.append(block)
+            if len(finished) > 1000:  # freed outside any stretch: finalizers swallow nothing
+                finished.clear()
+    finished.clear()
+    assert escaped == [] and owner_changed == 0
+    assert errors + watch.withdrawn == watch.stopped >= 100_000
+    assert errors > 0.9 * watch.stopped
+    for _ in range(10_000):  # nothing is left pending in this thread
+        _ = [1]
+
+
+def test_stops_racing_the_packing_of_saves_each_become_the_requests_error():
+    """``collect.pack`` times the pickling of a request's saves the same way: a stop
+    anywhere is that request's ``PackBudgetError`` in its reply, never a bare stop."""
+    import pickle
+
+    import torch
+
+    from vllm_nnsight_plugin.returns.pool import Pooler
+    from vllm_nnsight_plugin.wire.envelope import Limits
+    from vllm_nnsight_plugin.worker.budget import PackBudgetError, PackStop
+    from vllm_nnsight_plugin.worker.collect import pack
+
+    watch = Watchdog(1e-9, PackStop, PackBudgetError, "packing ran over")
+    limits, saves = Limits(), {"rows": torch.ones(4, 8), "names": [str(n) for n in range(50)]}
+    errors = sent = 0
+    with Racing(watch):
+        while watch.stopped < 20_000:
+            entry = {"saves": dict(saves), "error": None, "sequences": {}, "registered": {}}
+            reply = pickle.loads(pack("r", entry, limits, None, Pooler(), watch))
+            error = reply["r"]["error"]
+            if error is None:
+                sent += 1
+            else:
+                assert error["type_name"] == "PackBudgetError", error
+                errors += 1
+    assert errors + watch.withdrawn == watch.stopped >= 20_000

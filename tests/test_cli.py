@@ -50,22 +50,46 @@ def test_the_demo_prints_its_results_and_little_else():
     assert not [line for line in result.stderr.splitlines() if " INFO " in line or "%|" in line]
 
 
-def test_a_bad_setting_stops_vllm_at_start_and_doctor_names_it(tiny_qwen3_path, tmp_path):
-    """A value the plugin cannot use is refused where vLLM loads the plugin: the
-    server does not start, and its log says which variable and what form it takes
-    (a key's value is never shown)."""
-    import pytest
+def test_a_bad_security_setting_turns_blocks_off_and_vllm_serves_plain(tiny_qwen3_path, tmp_path):
+    """A value the engine cannot use never stops vLLM: the server starts and serves
+    plain requests, says once in its log why blocks are off, and refuses every
+    block and operator command with that reason (a key's value is never shown).
+    Settings only a client or the demo reads, and ``VLLM_NNSIGHT_DISABLE`` before
+    any of them, are started with in ``test_serve.py``'s two servers."""
+    import httpx
 
     from tests.servers import start_server
+    from vllm_nnsight_plugin.wire.edits import sign_command
 
-    env = {"VLLM_NNSIGHT_MAX_SAVE_BYTES": "lots", "VLLM_NNSIGHT_KEY": "k" * 64}
+    key = "k" * 64
+    env = {"VLLM_NNSIGHT_MAX_SAVE_BYTES": "lots", "VLLM_NNSIGHT_KEY": key}
     log = tmp_path / "server.log"
-    with pytest.raises(RuntimeError, match="exited"):
-        start_server(tiny_qwen3_path, str(log), env=env)
+    server = start_server(tiny_qwen3_path, str(log), env=env)
+    try:
+        model = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "prompt": "Hello", "max_tokens": 3, "temperature": 0.0}
+        plain = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+        assert plain.status_code == 200 and plain.json()["choices"][0]["text"]
+        said = "VLLM_NNSIGHT_MAX_SAVE_BYTES ('lots') must be a whole number of bytes"
+        block = httpx.post(
+            f"{server.url}/v1/completions", json={**body, "vllm_xargs": {"nnsight": "nns2:e30.x"}}, timeout=120
+        )
+        assert block.status_code == 403, block.text
+        assert block.json()["error"]["type"] == "NNsightBlocksDisabled" and said in block.json()["error"]["message"]
+        command = httpx.get(
+            f"{server.url}/v1/nnsight/model",
+            headers={"x-nnsight-signature": sign_command(key, "GET", "/v1/nnsight/model", b"")},
+            timeout=60,
+        )
+        assert command.status_code == 403 and said in command.json()["error"]["message"]
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).status_code == 200
+    finally:
+        server.stop()
     text = log.read_text()
-    assert "VLLM_NNSIGHT_MAX_SAVE_BYTES ('lots') must be a whole number of bytes" in text
-    assert "k" * 64 not in text
+    lines = [line for line in text.splitlines() if "blocks are off on this engine" in line]
+    assert len(lines) == 1 and said in lines[0], lines
+    assert key not in text
 
     doctor = cli("doctor", env={"VLLM_NNSIGHT_STEP_BUDGET_S": "-1"}, timeout=120)
     assert doctor.returncode == 1
-    assert "wrong (vLLM will not start): VLLM_NNSIGHT_STEP_BUDGET_S" in doctor.stdout
+    assert "wrong: blocks are off on this engine" in doctor.stdout and "VLLM_NNSIGHT_STEP_BUDGET_S" in doctor.stdout

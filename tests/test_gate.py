@@ -231,24 +231,3 @@ def test_processes_sharing_a_nonce_directory_accept_an_envelope_once(monkeypatch
     while [p.name for p in directory.iterdir()] != [fresh] and time.monotonic() < deadline:
         time.sleep(0.05)  # pruned on a thread of its own
     assert [p.name for p in directory.iterdir()] == [fresh]
-
-
-def test_a_shared_nonce_directory_is_checked_once_and_again_when_it_goes(monkeypatch, tmp_path):
-    """The directory is made and checked on the first claim; removed, it is made
-    and checked again; one that is not a directory of this user's refuses."""
-    import shutil
-
-    import vllm_nnsight_plugin.wire.trust as trust
-
-    directory = tmp_path / "nonces"
-    monkeypatch.setenv(trust.NONCE_DIR_ENV, str(directory))
-    assert NonceBook().claim("one", time.time() + 60, time.time())
-    assert str(directory) in trust._CHECKED_DIRS
-    shutil.rmtree(directory)
-    assert NonceBook().claim("two", time.time() + 60, time.time())
-    assert [p.name for p in directory.iterdir()] == [trust.hashlib.sha256(b"two").hexdigest()[:40]]
-    link = tmp_path / "elsewhere"
-    link.symlink_to(tmp_path)
-    monkeypatch.setenv(trust.NONCE_DIR_ENV, str(link))
-    with pytest.raises(UntrustedBlockError, match="not its own"):
-        NonceBook().claim("three", time.time() + 60, time.time())

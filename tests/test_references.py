@@ -37,3 +37,34 @@ def test_a_block_no_longer_carries_the_tree(trees):
     assert len(params.extra_args["nnsight"]) < 16_000  # it was ~90 kB with the tree
     # The references exist only while blocks are serialized.
     assert not any("_persistent_id" in envoy.__dict__ for envoy in model.modules())
+
+
+def test_threads_serializing_at_once_each_send_references(trees):
+    """Two traces built at once on one client: the first to finish must not take
+    the references away from the other mid-pickle (it then sent the whole tree as
+    copies, with ids the server does not hold)."""
+    import threading
+    import time
+
+    here, there = trees
+    barrier, failures = threading.Barrier(8), []
+
+    def serialize(layer: int) -> None:
+        try:
+            barrier.wait()
+            for turn in range(20):
+                with envoys_by_reference(here):
+                    time.sleep(0.001 * (turn % 3))  # the threads' pickles overlap, in every order
+                    data = dumps({"layer": here.model.layers[layer]})
+                assert len(data) < 2_000, len(data)  # a reference, not the tree
+                assert loads(data, persistent_objects=envoy_references(there))["layer"] is there.model.layers[layer]
+        except BaseException as error:  # noqa: BLE001
+            failures.append(error)
+
+    threads = [threading.Thread(target=serialize, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    assert not any("_persistent_id" in envoy.__dict__ for envoy in here.modules())

@@ -2,9 +2,11 @@
 the plugin installed, started on 127.0.0.1 by the test, driven by the project's
 client, raw HTTP and the ``openai`` client.
 
-``served`` runs with an operator key read from a file, which starts empty (blocks
-off, the default) and is filled by ``armed``. ``stock`` runs with the plugin
-switched off: the reference for plain outputs.
+``served`` runs with an operator key read from a file that is not there when it
+starts (blocks off, as with no key) and is written by ``armed``; it also starts
+with stale settings only the demo reads, which must not matter. ``stock`` runs
+with the plugin switched off (``VLLM_NNSIGHT_DISABLE``, read before a setting the
+engine could not use): the reference for plain outputs.
 """
 
 from __future__ import annotations
@@ -32,9 +34,7 @@ MAX_PAYLOAD_BYTES = 1024 * 1024
 
 @pytest.fixture(scope="module")
 def key_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("operator") / "key"
-    path.write_text("")
-    return path
+    return tmp_path_factory.mktemp("operator") / "key"  # not there yet: a secret mounted later
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +47,8 @@ def served(smollm2_path, key_file, tmp_path_factory):
         "VLLM_NNSIGHT_STEP_BUDGET_S": "2",
         "VLLM_NNSIGHT_PACK_BUDGET_S": "2",
         "VLLM_NNSIGHT_STEP_MEMORY_BYTES": str(512 << 20),
+        "VLLM_NNSIGHT_SMOLLM2_GGUF": "/no/such/model.gguf",  # stale, demo only: warned about, nothing more
+        "VLLM_NNSIGHT_MEMORY": "0.5x",
     }
     server = start_server(smollm2_path, str(tmp_path_factory.mktemp("logs") / "served.log"), env=env)
     yield server
@@ -112,6 +114,13 @@ def canary_envelope(path, **seal_kwargs) -> str:
 
 
 def test_blocks_are_off_until_the_operator_sets_a_key(served, client, tmp_path):
+    """The key file is not there yet: the server started, said so once, and runs
+    no block; stale demo-only settings were warned about, and blocks run once the
+    file is there (``armed``)."""
+    log = open(served.log).read()
+    assert log.count("VLLM_NNSIGHT_KEY_FILE names") == 1 and "blocks from the network are off until it is" in log
+    assert "VLLM_NNSIGHT_SMOLLM2_GGUF ('/no/such/model.gguf') must be the path of a readable file" in log
+    assert "VLLM_NNSIGHT_MEMORY ('0.5x') must be a fraction" in log and "blocks are off" not in log
     response = complete(served, vllm_xargs={"nnsight": canary_envelope(tmp_path / "c", key=KEY)})
     assert response.status_code == 403
     assert response.json()["error"]["type"] == "NNsightBlocksDisabled"
@@ -181,6 +190,7 @@ def test_a_client_without_vllm_traces_edits_and_errs_like_one_with_it(armed, cli
     seen = torch.load(out, weights_only=False)
 
     assert seen["vllm_loaded"] == []  # nothing named vllm is left in that process
+    assert seen["concurrent"] == [(576,)] * 4  # first traces at once, each its own
     assert seen["layers"] == 30 and "LlamaForCausalLM" in seen["tree"] and "QKVParallelLinear" in seen["tree"]
     with smol.trace(PROMPT, temperature=0.0, max_tokens=3) as tracer:
         hidden = smol.model.layers[10].output[0].clone().save()
@@ -193,6 +203,7 @@ def test_a_client_without_vllm_traces_edits_and_errs_like_one_with_it(armed, cli
     assert seen["first"] == (3, 576) and seen["japan"].startswith(" Tokyo")
     assert seen["installed"] == ["probe"] and seen["edit_saves"] == ["norm"] and seen["after_clear"] == []
     assert "IndexError" in seen["block_error"] and "Intervention traceback" in seen["block_error"]
+    assert f"[as sent by the server at {armed.url}; not checked here]" in seen["block_error"]
     assert "'temprature' is not a sampling parameter; did you mean 'temperature'" in seen["typo"]
     assert_still_serving(armed)
     assert tracked(armed) == 0
@@ -553,7 +564,9 @@ def test_concurrent_traced_and_plain_requests(armed, stock, client, smol):
 @pytest.fixture(scope="module")
 def stock(smollm2_path, tmp_path_factory):
     server = start_server(
-        smollm2_path, str(tmp_path_factory.mktemp("logs") / "stock.log"), env={"VLLM_NNSIGHT_DISABLE": "1"}
+        smollm2_path,
+        str(tmp_path_factory.mktemp("logs") / "stock.log"),
+        env={"VLLM_NNSIGHT_DISABLE": "yes", "VLLM_NNSIGHT_MAX_SAVE_BYTES": "lots"},
     )
     yield server
     server.stop()

@@ -63,12 +63,15 @@ def report() -> Iterator[tuple[str, str]]:
     from .versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT, TESTED_VLLM, installed, vllm_version
 
     yield "plugin", PLUGIN_VERSION
-    from .settings import problems
+    from .settings import CLIENT, blocks_off, problems
 
-    wrong = problems()
-    yield "settings", "wrong (vLLM will not start): " + " ".join(wrong) if wrong else "every VLLM_NNSIGHT_* value is usable"
-    if wrong:
-        return
+    off, others = blocks_off(), problems(reader=CLIENT)
+    if off:
+        yield "settings", f"wrong: {off} (vLLM starts and serves plain requests)"
+    elif others:
+        yield "settings", "wrong, for the client or the demo only: " + " ".join(others)
+    else:
+        yield "settings", "every VLLM_NNSIGHT_* value is usable"
     yield "python", platform.python_version()
     yield "torch", installed("torch") or "not installed"
     nnsight = installed("nnsight")

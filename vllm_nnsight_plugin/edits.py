@@ -100,6 +100,11 @@ def check_name(name: Any) -> str | None:
 
 # ---------------------------------------------------------------------- install
 def _install_args(edit_id: str, envelope: str, name: str | None) -> tuple:
+    from .settings import blocks_off
+
+    off = blocks_off()
+    if off is not None:
+        raise EditError(f"the edit could not be installed: {off}")
     signature = local_signature(envelope)
     if signature is None:
         raise EditError(

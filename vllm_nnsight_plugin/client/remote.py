@@ -45,6 +45,8 @@ SAMPLING_FIELDS = (
 TREE_ROUTE = "/v1/nnsight/model"
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 600.0
+#: How much of each field of a block's error from a server is shown.
+_MAX_ERROR_CHARS = 20_000
 
 
 class ServeError(RuntimeError):
@@ -156,7 +158,7 @@ class Server:
         document = _json(response)
         served = (document or {}).get(RESPONSE_FIELD) or {}
         if response.status_code == 422 and served.get("error"):
-            return ServedOutput(request_id=document.get("id", ""), nnsight_error=served["error"])
+            return ServedOutput(request_id=document.get("id", ""), nnsight_error=self._sent(served["error"]))
         _check(response, document)
         entries = served.get("requests") or []
         if len(entries) != 1:
@@ -174,8 +176,22 @@ class Server:
             nnsight_sequences=decoded.sequences,
             nnsight_edit_saves=decoded.edits,
             nnsight_edit_sequences=decoded.edit_sequences,
-            nnsight_error=entries[0].get("error"),
+            nnsight_error=self._sent(entries[0].get("error")),
         )
+
+    def _sent(self, error: Any) -> dict | None:
+        """A block's error as the server sent it, marked as the server's words: a
+        server (or whoever sits between it and here on plain HTTP) can send any
+        text as a traceback, so nothing in it is this machine's to trust."""
+        if error is None:
+            return None
+        if not isinstance(error, dict):
+            error = {"type_name": "ServerError", "message": str(error)}
+        marked = {key: str(value)[:_MAX_ERROR_CHARS] for key, value in error.items() if key != "is_control_flow"}
+        marked["is_control_flow"] = error.get("is_control_flow") is True
+        sent = marked.get("traceback") or "(none)"
+        marked["traceback"] = f"[as sent by the server at {self.url}; not checked here]\n{sent}"
+        return marked
 
     def close(self) -> None:
         if self._client is not None:

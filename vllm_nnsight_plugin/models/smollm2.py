@@ -89,7 +89,9 @@ def smollm2_path() -> str:
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         config.torch_dtype = "float32"
-        target.mkdir(parents=True, exist_ok=True)
+        cache_root().parent.mkdir(parents=True, exist_ok=True)
+        cache_root().mkdir(mode=0o700, exist_ok=True)  # private: taps keep their forwards here too
+        target.mkdir(exist_ok=True)
         save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
         config.save_pretrained(target)
         tokenizer.save_pretrained(target)

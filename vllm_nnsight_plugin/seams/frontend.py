@@ -167,6 +167,7 @@ def _sign_vouched(processor: Any, extra: dict) -> None:
     signature is made. A signature the request arrived with is dropped: it may
     have been read from a log. See ``wire/trust.py``.
     """
+    from ..settings import blocks_off
     from ..wire.trust import LOCAL_SIGNATURE_KEY, VOUCHED_KEY, Vouched, local_signature
 
     vouched = extra.pop(VOUCHED_KEY, None)
@@ -174,6 +175,9 @@ def _sign_vouched(processor: Any, extra: dict) -> None:
     extra.pop(MARK_KEY, None)
     if EXTRA_ARGS_KEY not in extra:
         return
+    off = blocks_off()
+    if off is not None:
+        raise _refused(off)
     envelope = extra[EXTRA_ARGS_KEY]
     if not (isinstance(vouched, Vouched) and vouched.covers(envelope)):
         raise _refused(

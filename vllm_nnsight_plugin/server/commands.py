@@ -12,6 +12,7 @@ from __future__ import annotations
 from http import HTTPStatus
 from typing import Any
 
+from ..settings import blocks_off
 from ..wire.edits import COMMAND_HEADER, check_command
 from ..wire.trust import OPERATOR_KEY_ENV, OPERATOR_KEY_FILE_ENV, UntrustedBlockError, operator_key
 from .gate import _NONCES
@@ -42,6 +43,9 @@ def signed_path(request: Request) -> str:
 
 async def authorized(request: Request, body: bytes) -> Any:
     """The engine this server runs, once the request is signed with the operator's key."""
+    off = blocks_off()
+    if off is not None:
+        raise Refused(HTTPStatus.FORBIDDEN, "NNsightBlocksDisabled", off)
     key = operator_key()
     if key is None:
         raise Refused(

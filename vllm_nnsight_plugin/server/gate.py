@@ -8,7 +8,8 @@ without decoding the payload (so a refusal provably runs nothing):
 code  type                         when
 ====  ===========================  ==============================================
 403   ``NNsightBlocksDisabled``    no operator key (``VLLM_NNSIGHT_KEY`` or
-                                   ``VLLM_NNSIGHT_KEY_FILE``)
+                                   ``VLLM_NNSIGHT_KEY_FILE``), or a setting the
+                                   engine reads holds a bad value
 403   ``NNsightUntrustedBlock``    unsigned, wrong key, expired, replayed, or a
                                    lifetime over ``VLLM_NNSIGHT_MAX_TTL_S``
 400   ``NNsightBadEnvelope``       corrupt, another envelope/nnsight version, or
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
+from ..settings import blocks_off
 from ..versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT
 from ..wire.envelope import (
     EXTRA_ARGS_KEY,
@@ -85,6 +87,9 @@ def admit(xargs: dict, *, beam_search: bool = False) -> Refusal | None:
             "beam search runs many engine requests per prompt, which one block cannot "
             "follow; send blocks with plain sampling.",
         )
+    off = blocks_off()
+    if off is not None:
+        return Refusal(HTTPStatus.FORBIDDEN, "NNsightBlocksDisabled", off)
     key = operator_key()
     if key is None:
         return Refusal(

@@ -20,11 +20,14 @@ from __future__ import annotations
 import ast
 import hashlib
 import inspect
+import logging
 import os
 import tempfile
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+
+from ..folders import UnsafeFolderError, private_folder, read_own, write_own
 
 #: nnsight's private names used here (checked by ``tests/test_nnsight_seams.py``).
 TOUCHES: tuple[tuple[str, str], ...] = (
@@ -110,25 +113,67 @@ class _Restore(ast.NodeTransformer):
 
 
 def _written(text: str) -> str:
-    """A file holding ``text``, named by its hash, in the user's own cache folder
+    """A file holding ``text``, named by its hash, in the user's cache folder
     (``VLLM_NNSIGHT_CACHE``; a stable path, so vLLM's compile cache still hits
-    after a restart). nnsight reads a forward's source back from this file, so a
-    file already there is used only if it holds exactly ``text``."""
+    after a restart), whose text is also held in ``linecache``.
+
+    nnsight reads a forward's source back through ``linecache`` and runs what it
+    reads. The entry is held without a modification time, which ``linecache``
+    never checks against the disk, so the text nnsight reads is the text written
+    here; the folder is checked on every write (``folders.py``), so nobody else
+    could have changed the disk copy either. A cache folder another user could
+    change is not used: the file goes to a private folder of this process's."""
+    import linecache
+
+    name = hashlib.sha256(text.encode()).hexdigest()[:24] + ".py"
+    data = text.encode()
+    for folder in _taps_folders():
+        try:
+            with private_folder(*folder) as descriptor:
+                if read_own(descriptor, name) != data:
+                    write_own(descriptor, name, data)
+        except UnsafeFolderError as unsafe:
+            _refuse(folder, unsafe)
+            continue
+        path = os.path.join(*folder, name)
+        linecache.cache[path] = (len(text), None, text.splitlines(True), path)
+        return path
+    raise SourceTapError("no private folder for an operation tap's forward")  # pragma: no cover
+
+
+#: This process's own folder, used when the cache folder is not private (made once).
+_FALLBACK: list[str] = []
+_REFUSED: set[str] = set()
+
+
+def _taps_folders() -> Iterator[tuple[str, ...]]:
+    """Where a rewritten forward may go, in order: the cache folder's ``taps``,
+    then a folder this process made for itself."""
     from ..models.smollm2 import cache_root
 
-    folder = cache_root() / "taps"
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    path = folder / (hashlib.sha256(text.encode()).hexdigest()[:24] + ".py")
-    try:
-        if path.read_text() == text:
-            return str(path)
-    except OSError:
-        pass
-    fd, scratch = tempfile.mkstemp(dir=folder, suffix=".tmp")
-    with os.fdopen(fd, "w") as file:
-        file.write(text)
-    os.replace(scratch, path)
-    return str(path)
+    yield (str(cache_root()), "taps")
+    if not _FALLBACK:
+        import atexit
+        import shutil
+
+        made = tempfile.mkdtemp(prefix="vllm-nnsight-taps-")
+        atexit.register(shutil.rmtree, made, ignore_errors=True)
+        _FALLBACK.append(made)
+    yield (_FALLBACK[0],)
+
+
+def _refuse(folder: tuple[str, ...], unsafe: UnsafeFolderError) -> None:
+    if folder == tuple(_FALLBACK):
+        raise SourceTapError(f"no private folder for an operation tap's forward: {unsafe}") from None
+    shown = os.path.join(*folder)
+    if shown not in _REFUSED:  # once per folder and process
+        _REFUSED.add(shown)
+        logging.getLogger("vllm_nnsight_plugin").warning(
+            "vllm-nnsight: not writing operation taps' forwards under %s (%s); using a private "
+            "folder of this process's instead, which vLLM's compile cache does not keep across restarts",
+            shown,
+            unsafe,
+        )
 
 
 def rewritten_forward(cls: type, tapped: frozenset[str], tap: Callable[[Any, str, Any], Any]) -> Callable:

@@ -13,6 +13,7 @@ the map it is given and refuses any other.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,19 +38,36 @@ def _references(model: Any) -> list[tuple[Any, str]]:
     return found
 
 
+#: Per model: how many threads are serializing blocks against it now, and the
+#: envoys tagged for them. The tags live on the shared envoys, so they go on with
+#: the first and come off with the last: one thread's untagging must not turn
+#: another's references into copies halfway through its pickling.
+_USERS: dict[int, tuple[int, list]] = {}
+_USERS_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def envoys_by_reference(model: Any) -> Iterator[None]:
     """While blocks are serialized, make every envoy of ``model`` a reference."""
-    tagged = []
-    for envoy, reference in _references(model):
-        if _TAG not in envoy.__dict__:
-            envoy.__dict__[_TAG] = reference
-            tagged.append(envoy)
+    key = id(model)
+    with _USERS_LOCK:
+        users, tagged = _USERS.get(key, (0, []))
+        if not users:
+            for envoy, reference in _references(model):
+                if _TAG not in envoy.__dict__:
+                    envoy.__dict__[_TAG] = reference
+                    tagged.append(envoy)
+        _USERS[key] = (users + 1, tagged)
     try:
         yield
     finally:
-        for envoy in tagged:
-            envoy.__dict__.pop(_TAG, None)
+        with _USERS_LOCK:
+            users, tagged = _USERS.pop(key)
+            if users > 1:
+                _USERS[key] = (users - 1, tagged)
+            else:
+                for envoy in tagged:
+                    envoy.__dict__.pop(_TAG, None)
 
 
 def envoy_references(model: Any) -> dict[str, Any]:

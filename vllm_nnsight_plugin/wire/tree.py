@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import os
+import re
 import tempfile
 from typing import Any
 
@@ -35,9 +36,18 @@ class TreeError(ValueError):
 
 def describe(module: torch.nn.Module) -> list[dict]:
     """Every module of ``module`` (itself first) with its class, how it prints,
-    and the shape and dtype of its own parameters."""
-    entries = []
+    and the shape and dtype of its own parameters. A module held at several paths
+    (vLLM shares one rotary embedding between every layer's attention) is
+    described at its first and named as ``same`` at the others, so the client's
+    tree shares it too, as the workers' does: nnsight lists a shared module at its
+    first path only, and a block can name no other."""
+    entries: list[dict] = []
+    first: dict[int, str] = {}
     for path, sub in module.named_modules(remove_duplicate=False):
+        if id(sub) in first:
+            entries.append({"path": path, "same": first[id(sub)]})
+            continue
+        first[id(sub)] = path
         try:
             shown = sub.extra_repr()
         except Exception:  # a module whose extra_repr needs state it does not have
@@ -86,6 +96,12 @@ def rebuild(entries: list[dict]) -> torch.nn.Module:
     classes: dict[tuple[str, str], type] = {}
     built: dict[str, torch.nn.Module] = {}
     for entry in entries:
+        if isinstance(entry, dict) and "same" in entry:
+            path, same = str(entry.get("path", "")), str(entry["same"])
+            if not same or path.startswith(same + "."):  # a module inside itself: a tree without end
+                raise TreeError(f"the server's module tree puts {same!r} inside itself")
+            _attach(built, path, built.get(same), shared=True)
+            continue
         try:
             path, name, where = str(entry["path"]), str(entry["class"]), str(entry["module"])
             params = dict(entry.get("params") or {})
@@ -109,19 +125,27 @@ def rebuild(entries: list[dict]) -> torch.nn.Module:
                 if isinstance(error, TreeError):
                     raise
                 raise TreeError(f"the server's module tree has a malformed parameter at {path!r}") from None
-        if path in built:
-            raise TreeError(f"the server's module tree lists {path!r} twice")
-        if path:
-            parent, _, child = path.rpartition(".")
-            if parent not in built:
-                raise TreeError(f"the server's module tree lists {path!r} before its parent")
-            built[parent].add_module(child, module)
-        elif built:
-            raise TreeError("the server's module tree has two roots")
-        built[path] = module
+        _attach(built, path, module)
     if "" not in built:
         raise TreeError("the server's module tree has no root")
     return built[""]
+
+
+def _attach(built: dict[str, torch.nn.Module], path: str, module: torch.nn.Module | None, shared: bool = False) -> None:
+    """Put ``module`` at ``path`` under its parent (a shared one: again, where it
+    is held a second time)."""
+    if module is None:
+        raise TreeError(f"the server's module tree shares {path!r} with a module it has not listed")
+    if path in built:
+        raise TreeError(f"the server's module tree lists {path!r} twice")
+    if path:
+        parent, _, child = path.rpartition(".")
+        if parent not in built:
+            raise TreeError(f"the server's module tree lists {path!r} before its parent")
+        built[parent].add_module(child, module)
+    elif built or shared:
+        raise TreeError("the server's module tree has two roots")
+    built[path] = module
 
 
 def _dtype(name: Any) -> torch.dtype:
@@ -145,7 +169,7 @@ def tokenizer_files(tokenizer: Any) -> dict[str, str]:
         files, total = {}, 0
         for name in sorted(os.listdir(folder)):
             path = os.path.join(folder, name)
-            if not os.path.isfile(path):
+            if not os.path.isfile(path) or not tokenizer_file(name):  # the only files a client takes
                 continue
             with open(path, "rb") as handle:
                 data = handle.read()
@@ -176,18 +200,74 @@ def _name_the_class(files: dict[str, str], tokenizer: Any) -> None:
 
 
 def load_tokenizer(files: dict[str, str]) -> Any:
-    """The tokenizer :func:`tokenizer_files` sent (None if it sent none)."""
+    """The tokenizer :func:`tokenizer_files` sent (None if it sent none).
+
+    The files come from a server (or from whoever sits between it and here on
+    plain HTTP), so they are data only: a file that is not one a tokenizer is
+    saved as, or an ``auto_map`` (transformers' way of naming Python to run from
+    the tokenizer's folder) anywhere in one, refuses the whole tokenizer, and
+    transformers is told to run no code from the folder and fetch nothing."""
     if not files:
         return None
     from transformers import AutoTokenizer
 
     with tempfile.TemporaryDirectory() as folder:
         for name, data in files.items():
-            if os.path.basename(name) != name or name.startswith("."):
-                raise TreeError(f"the server sent a tokenizer file named {name[:80]!r}")
+            if not tokenizer_file(name):
+                raise TreeError(
+                    f"the server sent a tokenizer file named {str(name)[:80]!r}, which is not one a "
+                    "tokenizer is saved as; the client takes tokenizer files only"
+                )
+            content = base64.b64decode(data)
+            if name.endswith(".json"):
+                _refuse_code(name, content)
             with open(os.path.join(folder, name), "wb") as handle:
-                handle.write(base64.b64decode(data))
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+                handle.write(content)
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False, local_files_only=True)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+#: The files a Hugging Face tokenizer is saved as (and ``*.model``: SentencePiece).
+_TOKENIZER_FILES = frozenset(
+    {
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "vocab.json",
+        "vocab.txt",
+        "merges.txt",
+        "chat_template.jinja",
+        "chat_template.json",
+    }
+)
+
+
+def tokenizer_file(name: object) -> bool:
+    """Whether ``name`` is one a tokenizer's file is saved as (and nothing else: no path)."""
+    if not isinstance(name, str) or os.path.basename(name) != name or name.startswith("."):
+        return False
+    return name in _TOKENIZER_FILES or re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*\.model", name) is not None
+
+
+def _refuse_code(name: str, content: bytes) -> None:
+    import json
+
+    try:
+        document = json.loads(content)
+    except (ValueError, RecursionError):
+        raise TreeError(f"the server's tokenizer file {name} is not JSON") from None
+    stack = [document]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if "auto_map" in item:
+                raise TreeError(
+                    f"the server's tokenizer file {name} names code to run (auto_map); the client "
+                    "runs no code a server sends, so it takes no such tokenizer"
+                )
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)

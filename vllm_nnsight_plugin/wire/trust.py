@@ -32,6 +32,7 @@ import secrets
 import threading
 import time
 
+from ..folders import UnsafeFolderError, private_folder
 from .envelope import EXTRA_ARGS_KEY, Envelope, operator_signature, split_signature
 
 #: The environment variable holding the engine's local key.
@@ -167,21 +168,17 @@ def operator_key(value: str | None = None) -> str | None:
     contents of ``VLLM_NNSIGHT_KEY_FILE``; None when none is set (blocks off)."""
     if value:
         return value
-    from ..settings import SettingError
     from ..settings import value as setting
 
     key = setting(OPERATOR_KEY_ENV)
     if key:
         return key
-    try:
-        path = setting(OPERATOR_KEY_FILE_ENV)
-    except SettingError:  # the file is gone: no key, blocks off
-        return None
+    path = setting(OPERATOR_KEY_FILE_ENV)
     if path:
         try:
             with open(path, encoding="utf-8") as handle:
                 return handle.read().strip() or None
-        except OSError:
+        except OSError:  # not there (yet): no key, blocks off
             return None
     return None
 
@@ -257,58 +254,40 @@ def ensure_nonce_dir() -> str:
     return directory
 
 
-#: Shared nonce directories this process has made (or found) and checked are its
-#: own: checked once, not on every claim; checked again if one disappears.
-_CHECKED_DIRS: set[str] = set()
-
-
-def _own_directory(directory: str) -> None:
-    import stat
-
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    found = os.lstat(directory)
-    if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid():
-        raise UntrustedBlockError("the server's nonce store is not its own; it takes no blocks.")
-    _CHECKED_DIRS.add(directory)
-
-
 def _claim_shared(directory: str, nonce: str, expires: float) -> bool:
-    name = os.path.join(directory, hashlib.sha256(nonce.encode("utf-8", "replace")).hexdigest()[:40])
+    """Record ``nonce`` in the shared directory, checked on this very use: a folder
+    another user could change (swap, empty) would let a replay through."""
+    name = hashlib.sha256(nonce.encode("utf-8", "replace")).hexdigest()[:40]
     try:
-        if directory not in _CHECKED_DIRS:
-            _own_directory(directory)
-        try:
-            handle = os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-        except FileNotFoundError:  # the directory went away: make and check it again
-            _CHECKED_DIRS.discard(directory)
-            _own_directory(directory)
-            handle = os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-    except FileExistsError:
-        return False
-    except UntrustedBlockError:
-        raise
+        with private_folder(directory) as folder:
+            try:
+                handle = os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600, dir_fd=folder)
+            except FileExistsError:
+                return False
+            try:
+                os.utime(handle, (expires, expires))  # its expiry, for pruning
+            finally:
+                os.close(handle)
+    except UnsafeFolderError as unsafe:
+        raise UntrustedBlockError(f"the server's nonce store is not its own ({unsafe}); it takes no blocks.") from None
     except OSError as error:
         raise UntrustedBlockError(
             f"the server could not record this block's nonce ({type(error).__name__}); try again."
         ) from None
-    try:
-        os.utime(handle, (expires, expires))  # its expiry, for pruning
-    finally:
-        os.close(handle)
     return True
 
 
 def _prune_shared(directory: str, now: float) -> None:
     try:
-        with os.scandir(directory) as entries:
+        with private_folder(directory) as folder, os.scandir(folder) as entries:
             for entry in entries:
                 try:
                     if entry.stat(follow_symlinks=False).st_mtime < now:
-                        os.unlink(entry.path)
+                        os.unlink(entry.name, dir_fd=folder)
                 except OSError:
                     pass  # pruned by another process meanwhile
     except OSError:
-        pass
+        pass  # not this server's folder (a claim says so) or gone
 
 
 def check_operator_signature(value: object, key: str) -> None:

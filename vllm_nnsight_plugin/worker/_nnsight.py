@@ -30,6 +30,7 @@ import hashlib
 import io
 import linecache
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from nnsight.intervention.errors import capture_exception
@@ -370,24 +371,25 @@ def time_switches(watch: Any) -> None:
     """Every switch into a block's code is timed by ``watch`` (``budget.py``), and
     what it saves is marked as its own (:class:`OwnedSaves`): nnsight runs a
     block only inside ``Mediator.switch``. Once per process."""
-    original = Mediator.switch
-    if getattr(original, "_vllm_nnsight_timed", False):
+    if getattr(Mediator.switch, "_vllm_nnsight_timed", False):
         return
+    Mediator.switch = timed_switch(Mediator.switch, watch)
+
+
+def timed_switch(original: Callable[..., Any], watch: Any) -> Callable[..., Any]:
+    """``original`` (nnsight's ``Mediator.switch``) timed by ``watch``, with the
+    block's saves marked as its own; a stop comes out as the block's error."""
 
     def switch(self: Any, *args: Any) -> Any:
         saves = owned_saves()
         before, saves.owner = saves.owner, self  # what the block saves now is this block's
         try:
-            watch.enter(self)
-            return original(self, *args)
-        except watch.stop as stop:
-            raise watch.error(stop) from None
+            return watch.run(self, original, self, *args)
         finally:
-            watch.leave()
             saves.owner = before
 
     switch._vllm_nnsight_timed = True  # type: ignore[attr-defined]
-    Mediator.switch = switch
+    return switch
 
 
 # ---------------------------------------------------------------------- collect

@@ -21,8 +21,10 @@ On the host, Linux would instead kill the whole engine.
 What this cannot stop: code inside one long native call (a ``time.sleep``, a
 huge matrix product, a blocking read) gets the error only when that call
 returns, since Python raises it between bytecodes; and a bare ``except:`` that
-swallows it and carries on is not stopped (the stop is raised once per stretch
-of code, so that it can never land anywhere but in that code). Operators who need a hard stop run the engine under a supervisor that
+swallows it and carries on is not stopped, nor code whose stop Python happened to
+raise inside a finalizer (which prints it and goes on): the stop is raised once
+per stretch of code, which is what lets :meth:`Watchdog.run` catch it wherever it
+lands. Operators who need a hard stop run the engine under a supervisor that
 restarts it (vLLM exits when its engine core stops answering).
 """
 
@@ -35,6 +37,7 @@ import queue
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 
@@ -119,11 +122,12 @@ def _withdraw() -> None:
 class Watchdog:
     """Times request code and stops what runs over; one per budget per worker.
 
-    The hot path (:meth:`enter`, :meth:`leave`, around every switch into a block)
-    takes one uncontended lock each. The lock is what makes the raise safe: the
-    watcher raises only while it holds it and request code is running, and
-    :meth:`leave` withdraws a raise not yet delivered before it lets go, so the
-    stop never lands in the engine's own code. Everything the engine's thread
+    The hot path (:meth:`run`, around every switch into a block) takes one
+    uncontended lock on the way in and one on the way out. The lock is what makes
+    the raise safe: the watcher raises only while it holds it and request code is
+    running, and leaving withdraws a raise not yet delivered before it lets go, so
+    the stop never lands in the engine's own code after that; one that lands
+    before it is caught by :meth:`run`. Everything the engine's thread
     runs while holding the lock, and everything it uses to wake the watcher, is C
     (a plain lock, a ``SimpleQueue``): Python code there could take the stop
     half-way through and leave the lock held.
@@ -165,7 +169,8 @@ class Watchdog:
         self._depth = 0
         self._delivered = False  # the stop sent, if any, was raised
         self._sleeping_until: float | None = None  # the watcher's next look (None: until woken)
-        self.stopped = 0  # how many times a stop was raised
+        self.stopped = 0  # how many times a stop was sent
+        self.withdrawn = 0  # how many of those were taken back before they were raised (the code had left)
         self._watcher: threading.Thread | None = None
 
     def _spent_by(self, owner: Any) -> float:
@@ -190,14 +195,56 @@ class Watchdog:
         with self._lock:
             self._spent.clear()
 
+    def run(self, owner: Any, code: Callable[..., Any], *args: Any) -> Any:
+        """``code(*args)``, timed as ``owner``'s: what it returns, or what it raised,
+        with a stop turned into the owner's :class:`BudgetError`.
+
+        A stop is sent from another thread and lands at the engine thread's next
+        check, which may already be past ``code``: in the code that switched back
+        from a block, or at the entry of :meth:`_leave`, before it takes the lock
+        that withdraws a stop not yet raised. So both are inside handlers here:
+        everything from :meth:`enter` to the end of :meth:`_leave`. Between the two
+        handlers are only instructions at which Python raises nothing (no call, no
+        backward jump), and a stretch gets one stop at most, so a stop caught once
+        cannot come again: none can leave this method as a stop."""
+        if not self.on:
+            return code(*args)
+        raised: BaseException | None = None
+        try:
+            self.enter(owner)
+            result = code(*args)
+        except BudgetStop as stop:
+            raised = stop
+            self._delivered = True
+        except BaseException as error:
+            raised = error
+        while True:
+            try:
+                self._leave()
+                break
+            except BudgetStop as stop:  # landed on the way out: the stretch ran over
+                self._delivered = True
+                if raised is None:
+                    raised = stop
+        try:
+            if isinstance(raised, BudgetStop):
+                raise self.error(raised) from None
+            if raised is not None:
+                raise raised
+        finally:
+            raised = None  # the error's traceback holds this frame: no cycle through it
+        return result
+
     def enter(self, owner: Any) -> None:
         """``owner``'s code (a block's mediator, a request's saves) starts running.
 
-        Call it inside the ``try`` whose ``finally`` calls :meth:`leave`: once it
-        has set the deadline, the stop may come at any bytecode, this method's own
-        last ones included."""
+        Use :meth:`run`, which also leaves: once this has set the deadline, the
+        stop may come at any check, this method's own last ones included."""
         if not self.on:
             return
+        if self._watcher is None:  # before the deadline is set: no stop can land in threading's code
+            self._watcher = threading.Thread(target=self._watch, name="vllm-nnsight-budget", daemon=True)
+            self._watcher.start()
         wake = False
         with self._lock:
             self._depth += 1
@@ -210,29 +257,18 @@ class Watchdog:
                 self._stretch += 1
                 self._rss_at = None
                 wake = self._sleeping_until is None  # asleep until woken; else its timer covers this
-        if self._watcher is None:
-            self._watcher = threading.Thread(target=self._watch, name="vllm-nnsight-budget", daemon=True)
-            self._watcher.start()
-        elif wake:
+                if wake:
+                    self._sleeping_until = now  # woken now: not idle until it has looked
+        if wake:
             self._wake.put(None)
 
-    def leave(self) -> None:
-        """The code :meth:`enter` announced returned (or raised)."""
-        if not self.on:
-            return
-        while True:  # a stop delivered on the way in here is this code's too: go on leaving
-            try:
-                self._leave()
-                return
-            except BudgetStop:
-                self._delivered = True
-                continue
-
     def _leave(self) -> None:
+        """The code :meth:`enter` announced returned (or raised)."""
         with self._lock:
             if self._raised_at and not self._delivered and self._thread == threading.get_ident():
                 _withdraw()
                 self._delivered = True
+                self.withdrawn += 1
             if self._depth == 0:
                 return  # already left, on a try a stop interrupted
             self._depth -= 1
@@ -256,27 +292,33 @@ class Watchdog:
         stretch is stopped at most a tick past its deadline. An idle engine (or a
         test process) pays nothing."""
         while True:
-            look = None
-            with self._lock:
-                now = time.monotonic()
-                self.wakeups += 1
-                running = self._owner is not None and not self._raised_at
-                if running and now >= self._deadline:
-                    self._stop(self.stop, now)
-                    running = False
-                elif running and self.memory_bytes:
-                    look = self._stretch
-                if self._owner is None and now >= self._started + self._horizon_s:
-                    self._sleeping_until = None  # idle: until an entry wakes it
-                else:
-                    self._sleeping_until = min(now + self._tick_s, self._deadline if running else math.inf)
-                until = self._sleeping_until
-            if look is not None:
-                until = self._look_at_memory(look, until)
+            until = self.look()
             try:
                 self._wake.get(timeout=None if until is None else max(0.0, until - time.monotonic()))
             except queue.Empty:
                 pass
+
+    def look(self) -> float | None:
+        """One look of the watcher's: stop the running stretch if it is over its
+        budget; when to look next (None: when woken)."""
+        look = None
+        with self._lock:
+            now = time.monotonic()
+            self.wakeups += 1
+            running = self._owner is not None and not self._raised_at
+            if running and now >= self._deadline:
+                self._stop(self.stop, now)
+                running = False
+            elif running and self.memory_bytes:
+                look = self._stretch
+            if self._owner is None and now >= self._started + self._horizon_s:
+                self._sleeping_until = None  # idle: until an entry wakes it
+            else:
+                self._sleeping_until = min(now + self._tick_s, self._deadline if running else math.inf)
+            until = self._sleeping_until
+        if look is not None:
+            until = self._look_at_memory(look, until)
+        return until
 
     def _look_at_memory(self, stretch: int, until: float | None) -> float | None:
         """Read the process's memory (outside the lock: a file read), then stop the

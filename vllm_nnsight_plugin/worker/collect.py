@@ -21,7 +21,7 @@ from ..returns.stacked import shared_tensors, stack_entry
 from ..wire.envelope import Limits
 from . import _nnsight as nns
 from .admit import RequestIndex
-from .budget import PackStop, Watchdog
+from .budget import BudgetError, Watchdog
 from .errors import CompiledForwardError, SaveLimitError, UnsendableSaveError
 
 #: An uncollected block is dropped once its request has been finished this many
@@ -76,13 +76,11 @@ def pack(
     if compiled_miss is not None and nns.is_out_of_order(entry.get("error")):
         entry["error"] = nns.capture_exception(CompiledForwardError(compiled_miss))
     try:
-        if watch is not None:
-            watch.enter(entry)
-        shared = shared_tensors(entry)
-        swapped, taken = (entry, {}) if shared is None else pooler.swap(stack_entry(entry, shared), shared)
-        part = nns.dumps_compact({request_id: swapped})
-    except PackStop as stop:
-        error = watch.error(stop) if watch is not None else RuntimeError(str(stop))
+        if watch is None:
+            taken, part = _packed(request_id, entry, pooler)
+        else:
+            taken, part = watch.run(entry, _packed, request_id, entry, pooler)
+    except BudgetError as error:
         return pickle.dumps({request_id: {**empty_entry(), "error": nns.capture_exception(error)}})
     except Exception as error:  # the block's state is already wound up
         unsent = UnsendableSaveError(
@@ -91,9 +89,6 @@ def pack(
             "values, not modules, parameters or objects holding them."
         )
         return pickle.dumps({request_id: {**empty_entry(), "error": nns.capture_exception(unsent)}})
-    finally:
-        if watch is not None:
-            watch.leave()
     size = len(part) + sum(tensor.numel() * tensor.element_size() for tensor in taken.values())
     if size > limits.max_save_bytes:
         over = SaveLimitError(
@@ -104,6 +99,13 @@ def pack(
         return pickle.dumps({request_id: {**empty_entry(), "error": nns.capture_exception(over)}})
     pooler.add(taken)
     return part
+
+
+def _packed(request_id: str, entry: dict, pooler: Pooler) -> tuple[dict, bytes]:
+    """The tensors the pool takes from the entry, and the entry pickled without them."""
+    shared = shared_tensors(entry)
+    swapped, taken = (entry, {}) if shared is None else pooler.swap(stack_entry(entry, shared), shared)
+    return taken, nns.dumps_compact({request_id: swapped})
 
 
 def pool_part(pooler: Pooler) -> list[bytes]:
