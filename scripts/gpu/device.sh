@@ -36,8 +36,11 @@ cat > /tmp/site/plugin_env.sh <<ENV
 . /tmp/site/vllmkit_env.sh
 export PYTHONPATH=\$PYTHONPATH:$PWD PYTHONUNBUFFERED=1
 export VLLM_NNSIGHT_CACHE=/tmp/nncache
-export VLLM_NNSIGHT_SMOLLM2_GGUF=$STASH/SmolLM2-135M-Instruct.Q4_1.gguf
 ENV
+# Only where setup joined it: a path to no file is a stale setting.
+if [ -e "$STASH/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then
+  echo "export VLLM_NNSIGHT_SMOLLM2_GGUF=$STASH/SmolLM2-135M-Instruct.Q4_1.gguf" >> /tmp/site/plugin_env.sh
+fi
 . /tmp/site/plugin_env.sh
 if [ "$1" = bench ]; then
   python3 -c "import vllm; print('GPU BENCH SETUP OK vllm', vllm.__version__)"

@@ -25,8 +25,8 @@ Front end (the process that owns ``LLM``; ``frontend.py``):
 
 - ``EngineArgs.create_engine_config``: a general plugin cannot change the engine
   config, so this is where the worker extension (the RPC endpoint) is added,
-  composed with one the user set. It also asks for the V1 model runner, whose
-  per-step layout the worker reads.
+  composed with one the user set. Which model runner the engine uses stays
+  vLLM's choice.
 - ``InputProcessor.process_inputs``: every request passes here in the front end,
   so this is where a block is refused unless this process vouched for it, and
   where the workers' signature is issued (``wire/trust.py``); where a request's
@@ -54,29 +54,40 @@ Engine core (the process that schedules; ``engine.py``):
   block is admitted with its whole prompt in one step rather than chunked, so
   its block sees every prompt row (see :func:`patch_scheduler`).
 
-Worker (each process that runs the model; ``worker.py``):
+Worker (each process that runs the model): one adapter per model runner, behind
+one interface (``worker.py``: the step, its rows, the sampler's logits and
+tokens, asking for an eager step, where taps are filled, resumed requests):
 
-- ``GPUModelRunner.execute_model`` (the CPU runner inherits it): marks the span in
-  which forward hooks belong to a real step (not a profile or warm-up run) and
-  hands the step's ``SchedulerOutput`` to the runtime.
-- ``GPUModelRunner._determine_batch_execution_and_padding``: a step in which a
-  block may run is dispatched without a CUDA graph (``force_eager``); the step's
-  layout is known here, so the tap tables are filled here too (``taps/``).
-- ``GPUModelRunner.load_model`` and ``CPUModelRunner.load_model`` (which does
-  not call it): taps are put on the loaded model before vLLM compiles it or
-  captures a graph.
-- ``kernels.py``: for a Python step on a compiled engine, each ``CustomOp``'s
-  dispatch (``_forward_method``) and the ``vllm.ir`` op priorities are pointed
-  at the kernels an eager engine runs, and put back when the forward returns.
+- ``runner_v1.py``, the V1 runner (vLLM 0.25 to 0.33):
+  ``GPUModelRunner.execute_model`` (the step; the CPU runner inherits it),
+  ``GPUModelRunner._determine_batch_execution_and_padding`` (``force_eager``
+  for a step with a Python block; the layout is known there, so the tap tables
+  fill there), ``GPUModelRunner.load_model`` and ``CPUModelRunner.load_model``;
+  its sampler is an ``nn.Module``, hooked.
+- ``runner_v2.py``, the V2 runner (0.25 on, the only one from 0.34) and 0.34's
+  standalone CPU runner: ``execute_model`` (the step, not its warm-up and
+  profile runs), ``prepare_inputs`` (the step's fresh, sorted batch: the layout,
+  and where the tap tables fill), ``load_model``, and
+  ``dispatch_cg_and_sync_dp`` where the GPU runner calls it (``need_eager``);
+  its sampler is a plain object, whose class gets a subclass that calls the
+  worker around it.
+- Both: taps go on the model as it is loaded, before vLLM compiles it or
+  captures a graph. ``kernels.py``: for a Python step on a compiled engine,
+  each ``CustomOp``'s dispatch (``_forward_method``) and the ``vllm.ir`` op
+  priorities are pointed at the kernels an eager engine runs, and put back
+  when the forward returns.
 - Reads, each a small function in ``worker.py``: the scheduler output's new,
-  scheduled and finished requests; the runner's model, sampler, tokenizer,
-  persistent batch (``StepLayout``) and per-request state; the sampler output's
-  token ids; what the tap tables are sized by, whether a new request's whole
-  prompt is in its first step, and which rows' samples vLLM throws away (a
-  recompute's chunks before its last, ``discarded_rows``), and how a parallel
-  layer's parameters are split over ranks (``parallel_split``,
-  ``tensor_parallel_gather``; ``worker/parameters.py``). The front end reads
-  each engine's ``input_processor``, which holds the book of installed edits.
+  scheduled and finished requests; the runner's model and tokenizer; what the
+  tap tables are sized by, whether a new request's whole prompt is in its first
+  step, and how a parallel layer's parameters are split over ranks
+  (``parallel_split``, ``tensor_parallel_gather``; ``worker/parameters.py``).
+  The front end reads each engine's ``input_processor``, which holds the book
+  of installed edits.
+
+A seam or fact of a runner (``Seam.runner``, ``Fact.runner``) is required of a
+release that has that runner's module, and only then: 0.34 has no V1 runner,
+0.25 to 0.33 have both, and each must then be whole, so the plugin runs on
+whichever one vLLM picks.
 """
 
 from __future__ import annotations
@@ -170,10 +181,19 @@ class Seam:
     process: str
     #: Made only on this platform (``"cpu"``: the CPU runner overrides the method).
     platform: str | None = None
+    #: The model runner this seam belongs to (:data:`RUNNERS`); None: every engine.
+    runner: str | None = None
 
     def applies(self) -> bool:
         """Whether this seam is made on the platform and vLLM this process runs (a
-        module's function: where that module's server calls it by its name)."""
+        module's function: where that module's caller calls it by its name; a
+        runner's: where this vLLM has that runner)."""
+        if self.runner is not None:
+            from .check import installed_root, module_file
+
+            root = installed_root()
+            if root is None or module_file(root, RUNNERS[self.runner]) is None:
+                return False
         if not self.owner:
             from .check import calls_by_name, installed_root
 
@@ -189,6 +209,14 @@ class Seam:
     def label(self) -> str:
         return f"{self.owner or self.module}.{self.name}"
 
+
+_V1 = "vllm.v1.worker.gpu_model_runner"
+_V2 = "vllm.v1.worker.gpu.model_runner"
+_V2_CPU = "vllm.v1.worker.cpu.standalone_model_runner"
+#: The model runners the plugin runs on, by the module that defines each: the V1
+#: runner (0.25 to 0.33), the V2 runner (0.25 on) and the standalone CPU runner of
+#: the V2 family (0.34 on; x86 CPUs without Triton and other CPUs).
+RUNNERS: dict[str, str] = {"v1": _V1, "v2": _V2, "v2-cpu": _V2_CPU}
 
 #: Every wrap the plugin makes, and nothing else.
 SEAMS: tuple[Seam, ...] = (
@@ -238,22 +266,18 @@ SEAMS: tuple[Seam, ...] = (
     Seam("vllm.entrypoints.openai.api_server", "", "build_app", ("args", "supported_tasks"), FRONT_END),
     Seam("vllm.v1.core.sched.scheduler", "Scheduler", "add_request", ("self", "request"), ENGINE_CORE),
     Seam("vllm.v1.core.sched.scheduler", "Scheduler", "schedule", ("self",), ENGINE_CORE),
-    Seam(
-        "vllm.v1.worker.gpu_model_runner",
-        "GPUModelRunner",
-        "execute_model",
-        ("self", "scheduler_output"),
-        WORKER,
-    ),
-    Seam(
-        "vllm.v1.worker.gpu_model_runner",
-        "GPUModelRunner",
-        "_determine_batch_execution_and_padding",
-        ("self",),
-        WORKER,
-    ),
-    Seam("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "load_model", ("self",), WORKER),
-    Seam("vllm.v1.worker.cpu_model_runner", "CPUModelRunner", "load_model", ("self",), WORKER, "cpu"),
+    Seam(_V1, "GPUModelRunner", "execute_model", ("self", "scheduler_output"), WORKER, runner="v1"),
+    Seam(_V1, "GPUModelRunner", "_determine_batch_execution_and_padding", ("self",), WORKER, runner="v1"),
+    Seam(_V1, "GPUModelRunner", "load_model", ("self",), WORKER, runner="v1"),
+    Seam("vllm.v1.worker.cpu_model_runner", "CPUModelRunner", "load_model", ("self",), WORKER, "cpu", "v1"),
+    Seam(_V2, "GPUModelRunner", "execute_model", ("self", "scheduler_output"), WORKER, runner="v2"),
+    Seam(_V2, "GPUModelRunner", "prepare_inputs", ("self", "scheduler_output"), WORKER, runner="v2"),
+    Seam(_V2, "GPUModelRunner", "load_model", ("self",), WORKER, runner="v2"),
+    # Called by its module-global name in the V2 runner's execute_model.
+    Seam(_V2, "", "dispatch_cg_and_sync_dp", ("cudagraph_manager",), WORKER, runner="v2"),
+    Seam(_V2_CPU, "StandaloneCPUModelRunner", "execute_model", ("self", "scheduler_output"), WORKER, runner="v2-cpu"),
+    Seam(_V2_CPU, "StandaloneCPUModelRunner", "prepare_inputs", ("self", "scheduler_output"), WORKER, runner="v2-cpu"),
+    Seam(_V2_CPU, "StandaloneCPUModelRunner", "load_model", ("self",), WORKER, runner="v2-cpu"),
 )
 
 
@@ -267,14 +291,33 @@ class Fact:
     qualname: str
     text: str | tuple[str, ...]
     why: str
+    #: The model runner this fact belongs to (:data:`RUNNERS`); None: every engine.
+    runner: str | None = None
 
     def found_in(self, source: str) -> bool:
         texts = (self.text,) if isinstance(self.text, str) else self.text
         return any(text in source for text in texts)
 
 
-_RUNNER = "vllm.v1.worker.gpu_model_runner"
 _SCHEDULER = "vllm.v1.core.sched.scheduler"
+_OUTPUT = "vllm.v1.core.sched.output"
+
+
+def _v2_facts(module: str, owner: str, batch: str, runner: str) -> tuple[Fact, ...]:
+    """What the plugin reads of a V2-family runner: it skips warm-up runs, builds
+    the step's batch in ``prepare_inputs``, calls its sampler as
+    ``sampler(logits, input_batch)``, frees a preempted request (which comes back
+    new), and the batch's fields the step's rows are read from."""
+    return (
+        Fact(module, f"{owner}.execute_model", "dummy_run: bool", "warm-up runs", runner),
+        Fact(module, f"{owner}.execute_model", "self.prepare_inputs(", "which rows are whose", runner),
+        Fact(module, f"{owner}.sample", "self.sampler(logits, input_batch)", "logits and samples", runner),
+        Fact(module, f"{owner}.finish_requests", "preempted_req_ids", "resumed requests", runner),
+        *(
+            Fact(batch, "InputBatch", field, "which rows are whose", runner)
+            for field in ("req_ids:", "query_start_loc_np:", "num_computed_tokens_np:", "prefill_len_np:")
+        ),
+    )
 
 #: Every line of vLLM's source the plugin reads or relies on, beside the wraps
 #: in :data:`SEAMS`. ``tests/test_seams.py`` checks each on the installed vLLM,
@@ -295,20 +338,24 @@ FACTS: tuple[Fact, ...] = (
         "plain requests preempted first",
     ),
     Fact(_SCHEDULER, "Scheduler.__init__", "self.running: list[Request]", "plain requests preempted first"),
-    Fact("vllm.v1.core.sched.output", "CachedRequestData", "resumed_req_ids", "preempted requests"),
-    Fact("vllm.v1.core.sched.output", "SchedulerOutput", "scheduled_cached_reqs", "preempted requests"),
+    # The V1 runner: its persistent batch, its sampler, how it resumes a preempted request.
+    Fact(_OUTPUT, "CachedRequestData", "resumed_req_ids", "resumed requests", "v1"),
+    Fact(_OUTPUT, "SchedulerOutput", "scheduled_cached_reqs", "resumed requests", "v1"),
+    Fact(_V1, "GPUModelRunner._prepare_inputs", "self.discard_request_mask.np[:num_reqs] = (", "recomputes", "v1"),
     Fact(
-        _RUNNER, "GPUModelRunner._prepare_inputs", "self.discard_request_mask.np[:num_reqs] = (", "recomputes"
-    ),
-    Fact(
-        _RUNNER,
+        _V1,
         "GPUModelRunner._determine_batch_execution_and_padding",
         "valid_modes={CUDAGraphMode.NONE} if force_eager",
         "a step with a block runs without a CUDA graph",
+        "v1",
     ),
-    Fact(_RUNNER, "GPUModelRunner.__init__", "query_start_loc", "which rows are whose"),
-    Fact(_RUNNER, "GPUModelRunner", "self.sampler(", "logits and samples"),
-    Fact("vllm.v1.worker.gpu_input_batch", "InputBatch", "req_ids", "which rows are whose"),
+    Fact(_V1, "GPUModelRunner.__init__", "query_start_loc", "which rows are whose", "v1"),
+    Fact(_V1, "GPUModelRunner", "self.sampler(", "logits and samples", "v1"),
+    Fact("vllm.v1.worker.gpu_input_batch", "InputBatch", "req_ids", "which rows are whose", "v1"),
+    # The V2 runners: a fresh batch a step, a plain sampler, a preempted request freed.
+    *_v2_facts(_V2, "GPUModelRunner", "vllm.v1.worker.gpu.input_batch", "v2"),
+    *_v2_facts(_V2_CPU, "StandaloneCPUModelRunner", "vllm.v1.worker.cpu.input_batch", "v2-cpu"),
+    Fact(_V2, "GPUModelRunner.execute_model", "need_eager=", "a step with a block runs without a CUDA graph", "v2"),
     Fact("vllm.forward_context", "ForwardContext", "skip_compiled", "Python steps on a compiled engine"),
     Fact(
         "vllm.compilation.decorators",
@@ -316,7 +363,6 @@ FACTS: tuple[Fact, ...] = (
         "get_forward_context().skip_compiled",
         "Python steps on a compiled engine",
     ),
-    Fact("vllm.config.vllm", "VllmConfig", "use_v2_model_runner", "the V1 runner"),
     Fact("vllm.model_executor.custom_op", "CustomOp.forward", "self._forward_method(", "eager kernels"),
     Fact("vllm.model_executor.custom_op", "CustomOp.__init__", "self._forward_method = ", "eager kernels"),
     Fact(
@@ -353,8 +399,6 @@ FACTS: tuple[Fact, ...] = (
 from . import engine, frontend, kernels, worker  # noqa: E402
 from .engine import _Unchunked as _Unchunked  # noqa: E402
 from .engine import patch_scheduler  # noqa: E402
-from .frontend import _V2_RUNNER as _V2_RUNNER  # noqa: E402
-from .frontend import _note_runner as _note_runner  # noqa: E402
 from .frontend import _refused as _refused  # noqa: E402
 from .frontend import _refused_class as _refused_class  # noqa: E402
 from .frontend import _serving_handler as _serving_handler  # noqa: E402
@@ -368,38 +412,32 @@ from .frontend import (  # noqa: E402
     patch_llm_engine,
     patch_openai_chat,
     patch_openai_completion,
-    runs_v2_runner,
 )
 from .kernels import EagerKernels, eager_kernels  # noqa: E402
 from .worker import (  # noqa: E402
     GRAPH_MODES,
     UNCOMPILED_STEP,
-    StepLayout,
-    discarded_rows,
+    Runner,
+    StepHooks,
+    StepView,
     engine_is_eager,
     eos_token_id,
     finished_ids,
     front_end_elsewhere,
     graph_mode_counts,
-    mark_uncompiled_step,
     model_dtype,
     model_of,
     new_params,
     new_requests,
     parallel_split,
-    patch_model_runner,
+    patch_model_runners,
     reports_saves,
-    request_state,
-    resumed_ids,
     runner_name,
-    sampled_ids,
-    sampler_of,
+    runner_of,
     scheduled_ids,
     scheduled_rows,
-    set_sampled_ids,
     skip_compiled_forward,
     speculates,
-    step_rows,
     tap_table_sizes,
     tensor_parallel_gather,
     tokenizer_of,
@@ -432,19 +470,21 @@ __all__ = [
     "FRONT_END",
     "GRAPH_MODES",
     "INSTALLERS",
+    "RUNNERS",
     "SEAMS",
     "UNCOMPILED_STEP",
     "WORKER",
     "FACTS",
     "EagerKernels",
     "Fact",
+    "Runner",
     "Seam",
-    "StepLayout",
+    "StepHooks",
+    "StepView",
     "building_meta_tree",
     "carries_block",
     "composed_name",
     "composed_user",
-    "discarded_rows",
     "eager_kernels",
     "engine",
     "engine_is_eager",
@@ -456,7 +496,6 @@ __all__ = [
     "graph_mode_counts",
     "kernels",
     "logger",
-    "mark_uncompiled_step",
     "model_dtype",
     "model_of",
     "new_params",
@@ -467,23 +506,17 @@ __all__ = [
     "patch_engine_args",
     "patch_input_processor",
     "patch_llm_engine",
-    "patch_model_runner",
+    "patch_model_runners",
     "patch_openai_chat",
     "patch_openai_completion",
     "patch_scheduler",
     "reports_saves",
-    "request_state",
-    "resumed_ids",
     "runner_name",
-    "runs_v2_runner",
-    "sampled_ids",
-    "sampler_of",
+    "runner_of",
     "scheduled_ids",
     "scheduled_rows",
-    "set_sampled_ids",
     "skip_compiled_forward",
     "speculates",
-    "step_rows",
     "tap_table_sizes",
     "tensor_parallel_gather",
     "tokenizer_of",

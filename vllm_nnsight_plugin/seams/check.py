@@ -119,16 +119,28 @@ def calls_by_name(root: Path, module: str, name: str) -> bool:
     return False
 
 
+def runners_in(root: Path) -> list[str]:
+    """The model runners (``seams.RUNNERS``) a source tree has."""
+    from . import RUNNERS
+
+    return [name for name, module in RUNNERS.items() if module_file(root, module) is not None]
+
+
 def missing(root: Path, seams: tuple, facts: tuple, platform: str | None = None) -> list[str]:
     """What of ``seams`` and ``facts`` this source tree lacks, each with the reason
     (empty: every one is there). ``platform`` (``"cpu"``, ``"cuda"``) leaves out the
-    seams made only on another platform; None checks them all."""
-    problems: list[str] = []
+    seams made only on another platform; None checks them all. A runner's seams
+    and facts are checked where the tree has that runner, and must then be whole:
+    the plugin runs on whichever runner vLLM builds."""
+    present = set(runners_in(root))
+    problems: list[str] = [] if present else ["it has none of the model runners the plugin knows"]
     families: dict[str, list] = {}
     for seam in seams:
         if seam.platform is not None and platform is not None and seam.platform != platform:
             continue
-        if not seam.owner:  # a module's function: made where the server calls it
+        if seam.runner is not None and seam.runner not in present:
+            continue
+        if not seam.owner:  # a module's function: made where its caller calls it by name
             families.setdefault(seam.name, []).append(seam)
             continue
         params = parameters(root, seam.module, f"{seam.owner}.{seam.name}")
@@ -139,12 +151,14 @@ def missing(root: Path, seams: tuple, facts: tuple, platform: str | None = None)
     for name, family in families.items():
         callers = [s for s in family if calls_by_name(root, s.module, name)]
         if not callers:
-            problems.append(f"no known module calls {name} (the OpenAI server moved it)")
+            problems.append(f"no known module calls {name} by name any more")
         for seam in callers:
             params = parameters(root, seam.module, seam.name)
             if params is None or tuple(params[: len(seam.leading)]) != seam.leading:
                 problems.append(f"{seam.label} now takes {params}")
     for fact in facts:
+        if fact.runner is not None and fact.runner not in present:
+            continue
         text = source_of(root, fact.module, fact.qualname)
         if text is None:
             problems.append(f"{fact.module}.{fact.qualname} is gone")

@@ -12,31 +12,13 @@ import asyncio
 import contextlib
 import copy
 import functools
-import os
 import pickle
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..wire.envelope import EXTRA_ARGS_KEY
 from ..wire.trust import MARK_KEY
 from . import _wrap, carries_block, extension_for
-
-#: Per engine config this process built (by id, checked by a weak reference, as
-#: configs are unhashable): whether it runs vLLM's V2 runner, which the plugin
-#: does not hook.
-_V2_RUNNER: dict[int, tuple[weakref.ref, bool]] = {}
-
-
-def _note_runner(config: Any) -> None:
-    for key in [k for k, (ref, _) in _V2_RUNNER.items() if ref() is None]:
-        del _V2_RUNNER[key]
-    _V2_RUNNER[id(config)] = (weakref.ref(config), bool(getattr(config, "use_v2_model_runner", False)))
-
-
-def runs_v2_runner(config: Any) -> bool:
-    ref, v2 = _V2_RUNNER.get(id(config), (None, False))
-    return v2 and ref is not None and ref() is config
 
 
 def patch_engine_args() -> None:
@@ -49,15 +31,8 @@ def patch_engine_args() -> None:
             ensure_local_key()  # before the engine's processes start: they inherit it
             ensure_nonce_dir()
             self.worker_extension_cls = extension_for(self.worker_extension_cls)
-            # The worker reads the V1 runner's persistent batch; vLLM reads this
-            # variable lazily, so a default set here reaches the engine (0.25 GPU
-            # and 0.32 GPU default to the V2 runner; the CPU build is always V1).
-            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
             _taps_into_config(self)
-            config = original(self, *args, **kwargs)
-            # Fixed now, as the engine is built: the variable may change later.
-            _note_runner(config)
-            return config
+            return original(self, *args, **kwargs)
 
         return create_engine_config
 
@@ -187,12 +162,6 @@ def _sign_vouched(processor: Any, extra: dict) -> None:
             "with the operator's key); it is refused and none of it runs."
         )
     config = getattr(processor, "vllm_config", None)
-    if runs_v2_runner(config):
-        raise _refused(
-            "this engine runs vLLM's V2 model runner (VLLM_USE_V2_MODEL_RUNNER is set), "
-            "which the plugin does not instrument, so the block would never run; unset "
-            "VLLM_USE_V2_MODEL_RUNNER (the plugin then selects the V1 runner)."
-        )
     refusal = unsupported_parallelism(getattr(config, "parallel_config", None))
     if refusal is not None:
         raise _refused(refusal)

@@ -1,86 +1,200 @@
 """Worker seams: each process that runs the model.
 
-The runner wraps (:func:`patch_model_runner`, installed by ``worker/extension.py``
-when a worker imports it), the switches for a step run as plain Python, and the
-small reads of the scheduler output, the runner and the sampler output that the
-worker runtime makes.
+vLLM has two model runners. The first ("V1": ``gpu_model_runner.py`` and its CPU
+subclass, vLLM 0.25 to 0.33) keeps a persistent batch in scheduler order; the
+second ("V2": ``gpu/model_runner.py``, its CPU subclass, and the standalone CPU
+runner of 0.34) builds a fresh batch every step, sorted decode first, and frees a
+preempted request's state, bringing it back later as a new request. Which one an
+engine runs is vLLM's choice (V2 by default on a GPU since 0.25 for dense models,
+the only one from 0.34); the plugin never changes it.
+
+Everything the worker needs from a runner is one small interface,
+:class:`Runner`, with one implementation per runner (``runner_v1.py``,
+``runner_v2.py``):
+
+- which rows of this step's slab are whose, and how far each request's prompt
+  is (:class:`StepView`, read once the step's layout is known; just the rows:
+  :meth:`Runner.rows`);
+- the logits the sampler draws from and the tokens it drew
+  (:meth:`Runner.hook_sampler`);
+- asking for the next forward without CUDA graphs (:meth:`Runner.ask_eager`);
+- where the tap tables are filled (the ``on_layout`` hook) and where the model
+  is loaded (``on_loaded``, before vLLM compiles it or captures a graph);
+- the requests a step resumes after a preemption (:meth:`Runner.resumed`).
+
+Nothing above ``seams/`` knows which runner runs. The shared reads (the
+scheduler output's requests, the model, the tokenizer, how a parallel layer is
+split) are here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
-from . import _wrap
+import numpy as np
 
 
-def patch_model_runner(
-    on_step: Callable[[Any, Any], None],
-    on_step_end: Callable[[Any], None],
-    on_loaded: Callable[[Any], None],
-    on_dispatch: Callable[[Any], None],
-) -> None:
-    """Call ``on_step(runner, scheduler_output)`` before each real forward step,
-    ``on_loaded(runner)`` once the model is loaded (before any compile or graph
-    capture), and ``on_dispatch(runner)`` once a forward's layout is known."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+@dataclass(frozen=True)
+class StepHooks:
+    """What the worker runtime is told of a runner's life (``worker/extension.py``)."""
 
-    def make(original: Callable) -> Callable:
-        def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-            on_step(self, scheduler_output)
-            try:
-                return original(self, scheduler_output, *args, **kwargs)
-            except BaseException:
-                on_step_end(self)
-                raise
-
-        return execute_model
-
-    def make_dispatch(original: Callable) -> Callable:
-        def determine(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if self.__dict__.get(UNCOMPILED_STEP):
-                kwargs["force_eager"] = True  # no CUDA graph for this step's batch
-            result = original(self, *args, **kwargs)
-            mode = getattr(result[0], "name", str(result[0]))
-            counts = self.__dict__.setdefault(GRAPH_MODES, {})
-            counts[mode] = counts.get(mode, 0) + 1
-            on_dispatch(self)
-            return result
-
-        return determine
-
-    def make_load(original: Callable) -> Callable:
-        def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-            result = original(self, *args, **kwargs)
-            on_loaded(self)
-            return result
-
-        return load_model
-
-    _wrap(GPUModelRunner, "execute_model", make)
-    _wrap(GPUModelRunner, "_determine_batch_execution_and_padding", make_dispatch)
-    for runner_class in model_runner_classes():
-        _wrap(runner_class, "load_model", make_load)
+    #: ``(runner, scheduler_output)``: before each real step (not a warm-up or profile run).
+    on_step: Callable[[Any, Any], None]
+    #: ``(runner)``: the step raised before its sampler ran.
+    on_step_failed: Callable[[Any], None]
+    #: ``(runner)``: the model is loaded, not yet compiled or captured.
+    on_loaded: Callable[[Any], None]
+    #: ``(runner)``: this step's rows are known, before its forward (the tap tables fill here).
+    on_layout: Callable[[Any], None]
 
 
-def model_runner_classes() -> list[type]:
-    """The runner classes whose ``load_model`` loads the model: the GPU runner, and
-    the CPU runner (which overrides it) where this vLLM build has one."""
-    from vllm.platforms import current_platform
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+class StepView:
+    """Which rows of this step's packed ``[tokens, ...]`` slab belong to which request.
 
-    classes: list[type] = [GPUModelRunner]
-    if current_platform.is_cpu():
-        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    Per row of the step's batch, in the order the forward sees them (each
+    runner's own: scheduler order on V1, decode first on V2): the request id,
+    its slab rows ``bounds[i]:bounds[i + 1]``, how many of its tokens were
+    computed before this step, how many make up what must be computed before
+    it samples (its prompt; after a preemption, its prompt and what it had
+    generated), and whether vLLM throws this step's sample away (a chunk that
+    does not reach that end)."""
 
-        classes.append(CPUModelRunner)
-    return classes
+    __slots__ = ("req_ids", "bounds", "computed", "prefill", "discarded")
+
+    def __init__(
+        self, req_ids: Iterable[str], bounds: Any, computed: Any, prefill: Any, discarded: Any = None
+    ) -> None:
+        self.req_ids: list[str] = list(req_ids)
+        n = len(self.req_ids)
+        self.bounds = np.asarray(bounds[: n + 1], dtype=np.int64)
+        self.computed = np.asarray(computed[:n], dtype=np.int64)
+        self.prefill = np.asarray(prefill[:n], dtype=np.int64)
+        counts = np.diff(self.bounds)
+        self.discarded = (
+            self.computed + counts < self.prefill if discarded is None else np.asarray(discarded[:n], dtype=bool)
+        )
+
+    @property
+    def counts(self) -> list[int]:
+        return [int(c) for c in np.diff(self.bounds)]
+
+    def spans(self) -> list[tuple[str, int]]:
+        return list(zip(self.req_ids, self.counts))
+
+    def rows(self) -> dict[str, int]:
+        """Request id -> its row of the step's logits and samples (one per request)."""
+        return {request_id: row for row, request_id in enumerate(self.req_ids)}
+
+
+class Runner:
+    """One model runner, as the worker sees it (see the module docstring)."""
+
+    #: Its name in ``nnsight_stats`` and error messages.
+    family = ""
+
+    @classmethod
+    def patch(cls, hooks: StepHooks) -> None:
+        """Wrap the runner classes this vLLM has (the worker extension, once per process)."""
+        raise NotImplementedError
+
+    @classmethod
+    def runs(cls, runner: Any) -> bool:
+        """Whether ``runner`` is this runner."""
+        raise NotImplementedError
+
+    def view(self, runner: Any) -> StepView:
+        """This step's rows (valid from ``on_layout`` until the sampler ran)."""
+        raise NotImplementedError
+
+    def rows(self, runner: Any) -> tuple[Any, Any]:
+        """Just this step's request ids in row order and their ``n + 1`` row
+        offsets, as the runner holds them (what the tap tables read every step,
+        without building a :class:`StepView`)."""
+        raise NotImplementedError
+
+    def hook_sampler(
+        self,
+        runner: Any,
+        on_logits: Callable[[Any], Any],
+        on_samples: Callable[[Any], Any],
+    ) -> None:
+        """Call ``on_logits(logits)`` as the sampler is called (a tensor back: the
+        sampler draws from that instead) and ``on_samples(ids)`` with the
+        ``[requests, 1]`` token ids it drew (a tensor back replaces them)."""
+        raise NotImplementedError
+
+    def ask_eager(self, runner: Any, eager: bool) -> None:
+        """Run (or stop running) this runner's next forward without CUDA graphs."""
+        runner.__dict__[UNCOMPILED_STEP] = eager
+
+    def resumed(self, scheduler_output: Any, tracked: Any) -> set[str]:
+        """The requests this step resumes after a preemption (``tracked``: the
+        request ids whose blocks the worker holds); vLLM recomputes their prompt
+        and the tokens they had generated."""
+        raise NotImplementedError
 
 
 #: Set on a runner for a step whose forward must run as plain Python.
 UNCOMPILED_STEP = "_nnsight_uncompiled_step"
 #: On a runner: how many forwards vLLM dispatched in each CUDA-graph mode.
 GRAPH_MODES = "_nnsight_graph_modes"
+_ADAPTER = "_nnsight_runner"
+
+
+def runners() -> tuple[type[Runner], ...]:
+    from .runner_v1 import V1Runner
+    from .runner_v2 import V2Runner
+
+    return (V2Runner, V1Runner)
+
+
+def patch_model_runners(hooks: StepHooks) -> None:
+    """Wrap every runner this vLLM has: which one an engine builds is vLLM's choice."""
+    for family in runners():
+        family.patch(hooks)
+
+
+def runner_of(runner: Any) -> Runner:
+    """The adapter for a live runner (kept on it)."""
+    found = runner.__dict__.get(_ADAPTER)
+    if found is None:
+        family = next((f for f in runners() if f.runs(runner)), None)
+        if family is None:
+            raise TypeError(f"vllm-nnsight-plugin does not know the model runner {runner_name(runner)}")
+        found = runner.__dict__[_ADAPTER] = family()
+    return found
+
+
+def present(module: str) -> bool:
+    """Whether this vLLM has ``module`` (found without importing it)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:
+        return False
+
+
+def loading(hooks: StepHooks) -> Callable[[Callable], Callable]:
+    """The wrap of a runner's ``load_model``: ``on_loaded`` once the model is there."""
+
+    def make(original: Callable) -> Callable:
+        def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, *args, **kwargs)
+            hooks.on_loaded(self)
+            return result
+
+        return load_model
+
+    return make
+
+
+def count_graph_mode(runner: Any, mode: Any) -> None:
+    counts = runner.__dict__.setdefault(GRAPH_MODES, {})
+    name = getattr(mode, "name", str(mode))
+    counts[name] = counts.get(name, 0) + 1
 
 
 def graph_mode_counts(runner: Any) -> dict[str, int]:
@@ -91,59 +205,17 @@ def runner_name(runner: Any) -> str:
     return f"{type(runner).__module__}.{type(runner).__qualname__}"
 
 
-def mark_uncompiled_step(runner: Any, uncompiled: bool) -> None:
-    """Run (or stop running) this runner's next forward without CUDA graphs."""
-    runner.__dict__[UNCOMPILED_STEP] = uncompiled
-
-
 def skip_compiled_forward() -> None:
     """Make the model's ``@support_torch_compile`` module call its Python forward.
 
     Called from the root module's forward pre-hook, inside the step's forward
     context: vLLM's decorator reads ``skip_compiled`` there on every call (0.25
-    and 0.32), and it is what vLLM itself uses for steps a compiled graph cannot
-    serve.
+    to 0.34, either runner), and it is what vLLM itself uses for steps a compiled
+    graph cannot serve.
     """
     from vllm.forward_context import get_forward_context
 
     get_forward_context().skip_compiled = True
-
-
-class StepLayout:
-    """Which rows of this step's packed ``[tokens, ...]`` slab belong to which request.
-
-    Read from the V1 runner's persistent batch with no device sync:
-    ``input_batch.req_ids[:num_reqs]`` is the row order, ``query_start_loc.np``
-    the row offsets. Valid between ``_prepare_inputs`` and the sampler, which is
-    exactly when the forward hooks run.
-    """
-
-    __slots__ = ("req_ids", "starts", "counts")
-
-    def __init__(self, runner: Any) -> None:
-        req_ids, bounds = step_rows(runner)
-        self.req_ids: list[str] = list(req_ids)
-        self.starts = [int(x) for x in bounds[:-1]]
-        self.counts = [int(b - a) for a, b in zip(bounds[:-1], bounds[1:])]
-
-    def spans(self) -> list[tuple[str, int]]:
-        return list(zip(self.req_ids, self.counts))
-
-
-def step_rows(runner: Any) -> tuple[list[str], Any]:
-    """This step's request ids in row order and their row offsets (``n + 1``, a
-    numpy array), as the persistent batch holds them: what ``StepLayout`` is
-    built from, and what the tap tables read without per-request lists."""
-    batch = runner.input_batch
-    n = batch.num_reqs
-    return batch.req_ids[:n], runner.query_start_loc.np[: n + 1]
-
-
-def discarded_rows(runner: Any) -> Any:
-    """Per row of this step's persistent batch, whether vLLM throws its sample away
-    (a prompt or recompute chunk that is not the last): ``discard_request_mask``,
-    set in ``_prepare_inputs`` before the forward (0.25 and 0.32)."""
-    return runner.discard_request_mask.np[: runner.input_batch.num_reqs]
 
 
 def speculates(runner: Any) -> bool:
@@ -153,20 +225,14 @@ def speculates(runner: Any) -> bool:
 
 
 def new_requests(scheduler_output: Any) -> Any:
-    """This step's newly scheduled requests (``NewRequestData``: ``req_id``, ``sampling_params``)."""
+    """This step's newly scheduled requests (``NewRequestData``: ``req_id``, ``sampling_params``);
+    on V2 also the requests it resumes after a preemption."""
     return getattr(scheduler_output, "scheduled_new_reqs", None) or ()
 
 
 def new_params(scheduler_output: Any) -> list:
     """The ``SamplingParams`` of this step's newly scheduled requests."""
     return [getattr(data, "sampling_params", None) for data in new_requests(scheduler_output)]
-
-
-def resumed_ids(scheduler_output: Any) -> set[str]:
-    """Requests this step resumes after a preemption: vLLM recomputes their prompt
-    and generated tokens in this one step (``CachedRequestData.resumed_req_ids``)."""
-    cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
-    return set(getattr(cached, "resumed_req_ids", None) or ())
 
 
 def scheduled_ids(scheduler_output: Any) -> Any:
@@ -184,24 +250,10 @@ def model_of(runner: Any) -> Any:
     return runner.get_model()
 
 
-def sampler_of(runner: Any) -> Any:
-    """The runner's sampler, an ``nn.Module`` called as ``sampler(logits=..., ...)`` (V1)."""
-    return runner.sampler
-
-
 def tokenizer_of(runner: Any) -> Any:
     from vllm.tokenizers import cached_tokenizer_from_config
 
     return cached_tokenizer_from_config(runner.model_config)
-
-
-def sampled_ids(sampler_output: Any) -> Any:
-    """The ``[requests, 1]`` token ids the sampler drew (``SamplerOutput``)."""
-    return sampler_output.sampled_token_ids
-
-
-def set_sampled_ids(sampler_output: Any, ids: Any) -> None:
-    sampler_output.sampled_token_ids = ids
 
 
 def eos_token_id(tokenizer: Any) -> int | None:
@@ -228,11 +280,6 @@ def front_end_elsewhere() -> bool:
     return bool(envs.VLLM_ENABLE_V1_MULTIPROCESSING) and get_tensor_model_parallel_rank() == 0
 
 
-def request_state(runner: Any, request_id: str) -> Any:
-    """The runner's ``CachedRequestState`` for a request (prompt length, computed tokens)."""
-    return runner.requests.get(request_id)
-
-
 def engine_is_eager(vllm_config: Any) -> bool:
     """Whether the model's forward runs as Python (so module hooks fire)."""
     if vllm_config.model_config.enforce_eager:
@@ -245,7 +292,7 @@ def engine_is_eager(vllm_config: Any) -> bool:
 def whole_prompt_scheduled(data: Any, scheduler_output: Any) -> bool:
     """Whether a new request's (``NewRequestData``) whole prompt is in this step,
     rather than split by chunked prefill. Read before the runner's own request
-    state exists (``begin_step`` runs before ``_update_states``)."""
+    state exists (``on_step`` runs before the runner adds the step's requests)."""
     prompt = getattr(data, "prompt_token_ids", None)
     scheduled = scheduled_ids(scheduler_output)
     if prompt is None or not hasattr(scheduled, "get"):

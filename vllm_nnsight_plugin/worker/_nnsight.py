@@ -39,11 +39,45 @@ from nnsight.intervention.serialization import CustomCloudUnpickler
 from nnsight.intervention.tracer import InterleavingTracer
 from nnsight.modeling.vllm.collect import dumps_compact
 from nnsight.modeling.vllm.interleaver import VLLMInterleaver
-from nnsight.modeling.vllm.model_runners.GPUModelRunner import Request, Requests
 from nnsight.modeling.vllm.vllm import VLLM as NNsightVLLM
 from nnsight.tracing.tracer import _local, _saves, inc
 
 from .fragments import FusedFragments
+
+#: nnsight's module holding the book of in-flight requests (``Request``, ``Requests``).
+REQUEST_BOOK = "nnsight.modeling.vllm.model_runners.GPUModelRunner"
+_V1_RUNNER = "vllm.v1.worker.gpu_model_runner"
+
+
+def request_book() -> Any:
+    """nnsight's module with ``Request`` and ``Requests``, which the worker reuses.
+
+    The same module defines nnsight's own model runner, a subclass of vLLM's V1
+    runner, and imports that runner at its top. vLLM 0.34 has no V1 runner: there
+    the import is answered, for the length of this one import, by a stand-in
+    class, and taken back at once (nnsight's subclass of it is never used; the
+    plugin runs its own hooks on whichever runner vLLM built)."""
+    import importlib
+    import sys
+    import types
+
+    try:
+        return importlib.import_module(REQUEST_BOOK)
+    except ModuleNotFoundError as error:
+        if error.name != _V1_RUNNER:
+            raise
+    stand_in = types.ModuleType(_V1_RUNNER)
+    stand_in.GPUModelRunner = type("GPUModelRunner", (), {"__module__": _V1_RUNNER})  # type: ignore[attr-defined]
+    sys.modules[_V1_RUNNER] = stand_in
+    try:
+        return importlib.import_module(REQUEST_BOOK)
+    finally:
+        if sys.modules.get(_V1_RUNNER) is stand_in:
+            del sys.modules[_V1_RUNNER]
+
+
+_BOOK = request_book()
+Request, Requests = _BOOK.Request, _BOOK.Requests
 
 __all__ = [
     "TOUCHES",
@@ -93,17 +127,17 @@ TOUCHES: tuple[tuple[str, str], ...] = (
     ("nnsight.intervention.envoy", "Envoy.__getattr__"),
     ("nnsight.modeling.vllm.batching", "VLLMBatcher._widen_tensor"),
     ("nnsight.modeling.vllm.batching", "VLLMBatcher._token_dim"),
-    ("nnsight.modeling.vllm.model_runners.GPUModelRunner", "Request.named"),
-    ("nnsight.modeling.vllm.model_runners.GPUModelRunner", "Request.key"),
-    ("nnsight.modeling.vllm.model_runners.GPUModelRunner", "Request.saves"),
-    ("nnsight.modeling.vllm.model_runners.GPUModelRunner", "Request.deferred"),
-    ("nnsight.modeling.vllm.model_runners.GPUModelRunner", "Request.workers"),
-    ("nnsight.modeling.vllm.model_runners.GPUModelRunner", "Requests.scope"),
-    ("nnsight.modeling.vllm.model_runners.GPUModelRunner", "Requests.unflatten"),
-    ("nnsight.modeling.vllm.model_runners.GPUModelRunner", "Requests.record_saves"),
-    ("nnsight.modeling.vllm.model_runners.GPUModelRunner", "Requests.harvest"),
-    ("nnsight.modeling.vllm.model_runners.GPUModelRunner", "Requests.serve_result"),
-    ("nnsight.modeling.vllm.model_runners.GPUModelRunner", "Requests.finish_dangling"),
+    (REQUEST_BOOK, "Request.named"),
+    (REQUEST_BOOK, "Request.key"),
+    (REQUEST_BOOK, "Request.saves"),
+    (REQUEST_BOOK, "Request.deferred"),
+    (REQUEST_BOOK, "Request.workers"),
+    (REQUEST_BOOK, "Requests.scope"),
+    (REQUEST_BOOK, "Requests.unflatten"),
+    (REQUEST_BOOK, "Requests.record_saves"),
+    (REQUEST_BOOK, "Requests.harvest"),
+    (REQUEST_BOOK, "Requests.serve_result"),
+    (REQUEST_BOOK, "Requests.finish_dangling"),
     ("nnsight.modeling.vllm.vllm", "VLLM._remoteable_persistent_objects"),
     ("nnsight.modeling.vllm.vllm", "VLLM.logits"),
     ("nnsight.modeling.vllm.vllm", "VLLM.samples"),

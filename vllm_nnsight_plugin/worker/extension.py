@@ -10,7 +10,8 @@ at module level either: it loads with the first request that carries a block.
 vLLM mixes this class into its ``Worker`` (``worker_extension_cls``), so its
 methods are reachable through ``collective_rpc``. Importing this module happens
 in the worker processes only, when vLLM resolves that class, which makes it the
-place where the runner seams are installed (``seams.worker.patch_model_runner``).
+place where the runner seams are installed (``seams.worker.patch_model_runners``:
+every runner this vLLM has, whichever the engine builds).
 
 vLLM has one extension slot. When the user already set a class of their own, the
 front end configures ``With_<hex>`` instead (the naming rule is
@@ -25,7 +26,7 @@ from typing import Any
 
 from ..seams import composed_name as composed_name  # where it always was, too
 from ..seams import composed_user
-from ..seams.worker import patch_model_runner
+from ..seams.worker import StepHooks, patch_model_runners
 from ..taps.spec import RUNNER_ATTR as _TAPS
 from ..wire.trust import local_key
 from .runtime import WorkerRuntime
@@ -57,12 +58,12 @@ def _on_loaded(runner: Any) -> None:
     runner.__dict__[_TAPS] = install(runner, runner.get_model())
 
 
-def _on_dispatch(runner: Any) -> None:
+def _on_layout(runner: Any) -> None:
     if runner.__dict__.get(_TAPS) is not None:
         runtime_of(runner).fill_taps()
 
 
-patch_model_runner(_on_step, _on_step_failed, _on_loaded, _on_dispatch)
+patch_model_runners(StepHooks(_on_step, _on_step_failed, _on_loaded, _on_layout))
 # Read the local key now, as the worker starts: a later change to this process's
 # environment (vLLM's development RPC route can make one) cannot forge it.
 local_key()

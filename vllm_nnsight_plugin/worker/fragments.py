@@ -74,6 +74,10 @@ def this_rank(whole: torch.Tensor, widths: list[int], replicas: list[int], tp: i
     return torch.cat(mine, dim=-1).contiguous()
 
 
+def _contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous()
+
+
 #: The side recorded for a value computed from a column-parallel layer's output
 #: (gathered and split as that layer's output, with no fused layout).
 ACTIVATION = "activation"
@@ -100,6 +104,9 @@ class FusedFragments(VLLMFragments):
         return fused_layout(module) if side == "output" else None
 
     def whole(self, location: str, value: Any) -> tuple[Any, Any]:
+        # vLLM's CPU all-gather (its shared-memory path) takes contiguous tensors
+        # only, and the attention's q, k and v are views into one qkv output.
+        value = apply(value, _contiguous, torch.Tensor)
         gathered, undo = super().whole(location, value)  # undo is this class's split
         layout = self._layout(location)
         if layout is None:

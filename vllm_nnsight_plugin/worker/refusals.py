@@ -12,21 +12,23 @@ from typing import Any
 from .errors import ChunkedPromptError
 
 
-def refuse_chunked(requests: Any, spans: list[tuple[str, int]], state_of: Any, capture: Any) -> None:
+def refuse_chunked(requests: Any, spans: list[tuple[str, int]], view: Any, capture: Any) -> None:
     """Fail each started block whose prompt this step does not finish (``spans``:
-    request id and rows scheduled; ``state_of``: the runner's state of a request)."""
-    for request_id, scheduled in spans:
+    request id and rows scheduled, row by row of ``view``, the step's
+    ``seams.StepView``: how far each row's request had computed, and where its
+    prompt ends)."""
+    for row, (request_id, scheduled) in enumerate(spans):
         request = requests.requests.get(request_id)
         if request is None or (request.mediator is None and not request.copies):
             continue
-        state = state_of(request_id)
-        if state is None or state.num_computed_tokens + scheduled >= state.num_prompt_tokens:
+        prompt = int(view.prefill[row])
+        if int(view.computed[row]) + scheduled >= prompt:
             continue
         end(
             request,
             capture(
                 ChunkedPromptError(
-                    f"this request's {state.num_prompt_tokens}-token prompt was split across "
+                    f"this request's {prompt}-token prompt was split across "
                     f"engine steps by chunked prefill ({scheduled} tokens in this step), so "
                     "its block could not see the prompt whole. Raise max_num_batched_tokens "
                     "above the prompt length, or build the engine with "

