@@ -6,7 +6,12 @@
 # everything else comes from the index. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-WHEEL=${VLLM_034_WHEEL:-../shared/vllm-cpu/vllm-0.34.0+cpu-cp311-cp311-linux_x86_64.whl}
+NAME=vllm-0.34.0+cpu-cp311-cp311-linux_x86_64.whl
+WHEEL=${VLLM_034_WHEEL:-}
+for found in ../shared/vllm-cpu/$NAME /work/shared/vllm-cpu/$NAME; do
+  [ -n "$WHEEL" ] || { [ -e "$found" ] && WHEEL=$found; }
+done
+[ -n "$WHEEL" ] || { echo "vLLM 0.34.0 for CPU not found: set VLLM_034_WHEEL to $NAME" >&2; exit 2; }
 PY=${PYTHON:-python3.11}
 [ -x .venv-v034/bin/python ] || "$PY" -m venv .venv-v034
 . .venv-v034/bin/activate
