@@ -13,8 +13,9 @@ their addresses); before each step only their contents change:
 
 All three are views of one ``[row, table, site]`` tensor.
 
-The rows a step's requests occupy come from the runner's persistent batch (the
-same reading as the Python path's). The three tables are one tensor, staged on
+The rows a step's requests occupy come from the runner adapter (``seams.Runner.rows``:
+V1's persistent batch, or the batch V2 builds for the step; the same reading as
+the Python path's). The three tables are one tensor, staged on
 the host (double-buffered, so filling the next step never races the upload of
 the last one) and uploaded in one copy; nothing is uploaded while no request is
 lowered. Each lowered request's per-step state lives in arrays indexed by its
