@@ -351,12 +351,19 @@ def steer_as_python(model, vectors, layer=10, steps=5):
     return out if len(vectors) > 1 else [out]
 
 
+#: How far a log-probability moves when the same requests are batched otherwise:
+#: stock vLLM 0.32 on this CPU, three plain requests generated twelve times over,
+#: moved by up to 1.8e-5 from run to run (the front end hands requests to the
+#: engine one by one, so which share a step depends on timing).
+BATCHING_NOISE = 1e-4
+
+
 def same_generation(got, want, exact: bool = True) -> None:
-    """Same tokens; the same log-probabilities, bit for bit or within 1e-5 (then a
-    near-tie at the edge of the top-k may be kept by one side only). Exact
-    only for requests traced alone: vLLM may schedule the requests of one trace
-    into different batches from run to run, and a batch's shape moves the last
-    bits of its arithmetic."""
+    """Same tokens; the same log-probabilities, bit for bit or within
+    :data:`BATCHING_NOISE` (then a near-tie at the edge of the top-k may be kept
+    by one side only). Exact only for requests traced alone: vLLM may schedule
+    the requests of one trace into different batches from run to run, and a
+    batch's shape moves the last bits of its arithmetic."""
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids), f"request {i}"
         for step, (step_a, step_b) in enumerate(
@@ -368,14 +375,14 @@ def same_generation(got, want, exact: bool = True) -> None:
                 assert got_step == want_step, f"request {i}, step {step}"
             else:
                 shared = got_step.keys() & want_step.keys()
-                assert all(abs(got_step[t] - want_step[t]) < 1e-5 for t in shared), (
+                assert all(abs(got_step[t] - want_step[t]) < BATCHING_NOISE for t in shared), (
                     f"request {i}, step {step}"
                 )
                 # A token in one top-k only must be a near-tie at its edge: within the
                 # tolerance of the other's lowest kept log-probability.
                 for token in got_step.keys() ^ want_step.keys():
                     mine, other = (got_step, want_step) if token in got_step else (want_step, got_step)
-                    assert abs(mine[token] - min(other.values())) < 1e-5, f"request {i}, step {step}"
+                    assert abs(mine[token] - min(other.values())) < BATCHING_NOISE, f"request {i}, step {step}"
 
 
 def test_the_seeds_steering_loop_is_lowered_and_equals_the_python_path_bit_for_bit(smollm2_llm, smol):
