@@ -9,6 +9,7 @@ import pytest
 import torch
 from vllm import SamplingParams
 
+from tests.engines import DEVICE
 from vllm_nnsight_plugin import VLLM
 from vllm_nnsight_plugin.returns.cached import CachedSteps
 from vllm_nnsight_plugin.taps.forms import block_form
@@ -382,12 +383,14 @@ def same_generation(got, want, exact: bool = True) -> None:
                 # tolerance of the other's lowest kept log-probability.
                 for token in got_step.keys() ^ want_step.keys():
                     mine, other = (got_step, want_step) if token in got_step else (want_step, got_step)
-                    assert abs(mine[token] - min(other.values())) < BATCHING_NOISE, f"request {i}, step {step}"
+                    assert abs(mine[token] - min(other.values())) < BATCHING_NOISE, (
+                        f"request {i}, step {step}"
+                    )
 
 
 def test_the_seeds_steering_loop_is_lowered_and_equals_the_python_path_bit_for_bit(smollm2_llm, smol):
     torch.manual_seed(1)
-    vectors = [torch.randn(576) for _ in range(3)]
+    vectors = [torch.randn(576).to(DEVICE) for _ in range(3)]
     before = lowered_count(smollm2_llm)
     for vector in vectors:  # alone: bit for bit
         same_generation(steer_seeds_loop(smol, [vector]), steer_as_python(smol, [vector]))
@@ -405,7 +408,7 @@ def test_the_seeds_steering_loop_is_lowered_and_equals_the_python_path_bit_for_b
 
 def test_lowered_python_and_plain_requests_share_steps(smollm2_llm, smol):
     torch.manual_seed(2)
-    vector = torch.randn(576)
+    vector = torch.randn(576).to(DEVICE)
     params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=3)
 
     # A batch of three: layer 20 steered on every step (lowered, or the same written
@@ -458,7 +461,7 @@ def test_lowered_python_and_plain_requests_share_steps(smollm2_llm, smol):
 
 
 def test_the_line_after_the_loop_runs_only_if_the_loop_ends_on_both_paths(smollm2_llm, smol):
-    vector = torch.ones(576)
+    vector = torch.ones(576).to(DEVICE)
 
     def short_lowered():  # the loop asks for more steps than the request has
         with smol.trace(PROMPT, temperature=0.0, max_tokens=2) as tracer:
@@ -491,13 +494,14 @@ def test_the_line_after_the_loop_runs_only_if_the_loop_ends_on_both_paths(smollm
 
 def test_a_block_that_cannot_be_lowered_exactly_runs_as_python(smollm2_llm, smol):
     before = lowered_count(smollm2_llm)
-    with smol.trace(PROMPT, temperature=0.0, max_tokens=2) as tracer:  # a CPU vector of another dtype
+    wide, ones = torch.ones(576, dtype=torch.float64).to(DEVICE), torch.ones(576).to(DEVICE)
+    with smol.trace(PROMPT, temperature=0.0, max_tokens=2) as tracer:  # a vector of another dtype
         for _ in tracer.iter[:2]:
-            smol.model.layers[10].output[0][:] += torch.ones(576, dtype=torch.float64)
+            smol.model.layers[10].output[0][:] += wide
         out = tracer.result.save()
     with smol.trace(PROMPT, temperature=0.0, max_tokens=2) as tracer:  # not a tap
         for _ in tracer.iter[:2]:
-            smol.model.layers[11].output[0][:] += torch.ones(576)
+            smol.model.layers[11].output[0][:] += ones
     assert lowered_count(smollm2_llm) == before
     assert len(out.outputs[0].token_ids) == 2
 
@@ -561,7 +565,7 @@ def test_a_request_that_samples_several_sequences_runs_as_python(smollm2_llm, sm
     """``n > 1``: each sequence's values come back as nnsight gives them, from the
     Python path (the tables hold one entry per request)."""
     torch.manual_seed(0)
-    vector = torch.randn(576)
+    vector = torch.randn(576).to(DEVICE)
     vector = 60.0 * vector / vector.norm()
     ((before,), out) = smollm2_llm.collective_rpc("nnsight_stats"), steer_sequences(smol, vector)
     (after,) = smollm2_llm.collective_rpc("nnsight_stats")

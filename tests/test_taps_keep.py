@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from tests.engines import DEVICE
+
 PROMPT = "The capital of France is"
 
 
@@ -142,7 +144,7 @@ def test_kept_and_other_requests_in_one_trace(smollm2_llm, smol):
     """Batched with a Python block, a steered request and a plain one: the kept rows
     match a Python block's in the same trace (same batch, same arithmetic)."""
     torch.manual_seed(3)
-    vector = torch.randn(576)
+    vector = torch.randn(576).to(DEVICE)
     before = stats(smollm2_llm)["lowered"]
     with smol.trace(temperature=0.0, max_tokens=4) as tracer:
         with tracer.invoke(PROMPT):

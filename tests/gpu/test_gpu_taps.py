@@ -159,3 +159,37 @@ def test_lowered_operation_taps_match_python_and_stay_in_the_graphs(tapped):
         assert all(a.device.type == "cuda" and a.dtype == torch.bfloat16 for a in got)
         assert min(cosine(a, b) for a, b in zip(got, want)) >= 0.995
         assert cosine(torch.cat(got), torch.cat(want)) >= 0.999
+
+
+def stream_until(model, stop):
+    with model.trace(PROMPTS[0], temperature=0.0, max_tokens=24, stop_token_ids=[stop]) as tracer:
+        stream = list().save()
+        for _ in tracer.all():
+            stream.append(model.model.layers[10].output[0].clone())
+    return stream
+
+
+def drawn_until(model, stop):
+    with model.trace(PROMPTS[0], temperature=0.0, max_tokens=24, stop_token_ids=[stop]) as tracer:
+        drawn = list().save()
+        for _ in tracer.all():
+            drawn.append(model.samples.item())
+    return drawn
+
+
+def test_a_block_sees_no_step_past_the_token_that_ends_its_request(tapped):
+    """Async scheduling (vLLM's default here) lays out a step before it has read the
+    last one's samples, so a request runs once more after drawing its stop token
+    and vLLM throws that sample away. Lowered or Python, the block sees only the
+    steps whose tokens are in the output."""
+    assert tapped.llm_engine.vllm_config.scheduler_config.async_scheduling
+    (plain,) = tapped.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
+    tokens = list(plain.outputs[0].token_ids)
+    i = next(i for i in range(3, len(tokens)) if tokens[i] not in tokens[:i])  # first drawn at step i
+    model = VLLM(tapped)
+    before = stats(tapped)
+    stream = stream_until(model, tokens[i])
+    after = stats(tapped)
+    assert after["lowered"] - before["lowered"] == 1 and after["tracked"] == 0
+    assert len(stream) == i + 1 and [tuple(t.shape) for t in stream[1:]] == [(1, 576)] * i
+    assert drawn_until(model, tokens[i]) == tokens[: i + 1]

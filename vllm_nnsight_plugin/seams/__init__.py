@@ -338,6 +338,11 @@ FACTS: tuple[Fact, ...] = (
         "plain requests preempted first",
     ),
     Fact(_SCHEDULER, "Scheduler.__init__", "self.running: list[Request]", "plain requests preempted first"),
+    # What ends a request on its sampled token (``worker/stops.py``).
+    Fact("vllm.config.scheduler", "SchedulerConfig", "async_scheduling", "ending tokens"),
+    Fact("vllm.v1.core.sched.utils", "check_stop", "sampling_params.min_tokens", "ending tokens"),
+    Fact("vllm.v1.core.sched.utils", "check_stop", "sampling_params.eos_token_id", "ending tokens"),
+    Fact("vllm.v1.core.sched.utils", "check_stop", "sampling_params.stop_token_ids", "ending tokens"),
     # The V1 runner: its persistent batch, its sampler, how it resumes a preempted request.
     Fact(_OUTPUT, "CachedRequestData", "resumed_req_ids", "resumed requests", "v1"),
     Fact(_OUTPUT, "SchedulerOutput", "scheduled_cached_reqs", "resumed requests", "v1"),
@@ -436,6 +441,7 @@ from .worker import (  # noqa: E402
     runner_of,
     scheduled_ids,
     scheduled_rows,
+    schedules_ahead,
     skip_compiled_forward,
     speculates,
     tap_table_sizes,
@@ -515,6 +521,7 @@ __all__ = [
     "runner_of",
     "scheduled_ids",
     "scheduled_rows",
+    "schedules_ahead",
     "skip_compiled_forward",
     "speculates",
     "tap_table_sizes",

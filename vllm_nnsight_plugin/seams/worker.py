@@ -289,6 +289,12 @@ def engine_is_eager(vllm_config: Any) -> bool:
     return int(getattr(mode, "value", mode) or 0) == 0 and not getattr(compilation, "cudagraph_mode", None)
 
 
+def schedules_ahead(vllm_config: Any) -> bool:
+    """Whether the scheduler lays out a step before it has read the last one's
+    samples (async scheduling), so a request runs one step past its ending token."""
+    return bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
+
+
 def whole_prompt_scheduled(data: Any, scheduler_output: Any) -> bool:
     """Whether a new request's (``NewRequestData``) whole prompt is in this step,
     rather than split by chunked prefill. Read before the runner's own request

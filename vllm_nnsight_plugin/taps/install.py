@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from . import ops, source
-from .kept import Lowered, Regions, kept_saves, store_rows
+from .kept import Lowered, Regions, kept_saves, rows_kept, store_rows
 from .spec import engine_taps, resolve, split_site
 
 logger = logging.getLogger("vllm_nnsight_plugin")
@@ -160,12 +160,18 @@ class TapTables:
         self.free.append(entry)
         return lowered, int(self._steps[entry])
 
-    def saves(self, lowered: Lowered) -> dict[str, Any]:
-        """What a request's lowered block kept (read before :meth:`release`)."""
+    def steps(self, request_id: str) -> int:
+        """How many forwards a lowered request has been in (this step's included)."""
+        return int(self._steps[self._entry_of[request_id]])
+
+    def saves(self, lowered: Lowered, counted: int | None = None) -> dict[str, Any]:
+        """What a request's lowered block kept (read before :meth:`release`), in its
+        first ``counted`` forwards where vLLM threw the later ones' samples away."""
         entry = lowered.entry
-        return kept_saves(
-            lowered, self.store, int(self._steps[entry]), int(self._done[entry]), int(self._first[entry])
-        )
+        steps, done, first = int(self._steps[entry]), int(self._done[entry]), int(self._first[entry])
+        if counted is not None and counted < steps:
+            steps, done = counted, rows_kept(lowered, counted, first)
+        return kept_saves(lowered, self.store, steps, done, first)
 
     def release(self, lowered: Lowered) -> None:
         """Give a forgotten request's region of the store back (its rows were read)."""

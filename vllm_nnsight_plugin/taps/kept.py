@@ -59,6 +59,12 @@ class Lowered:
         return 2 if self.code == KEEP_BOTH else 1
 
 
+def rows_kept(lowered: Lowered, steps: int, first: int) -> int:
+    """How many rows a keeping block keeps in its first ``steps`` forwards."""
+    stop = steps if lowered.stop is None else min(steps, lowered.stop)
+    return sum(lowered.irregular.get(s, first if s == 0 else 1) for s in range(lowered.start, stop))
+
+
 def kept_saves(lowered: Lowered, store: Any, steps: int, done: int, first: int) -> dict[str, Any]:
     """What a keeping block saved, as the Python path would have it: the list of
     each step's rows (a :class:`Stacked`), or the one read.

@@ -111,11 +111,14 @@ class Lowering:
         self.by_form[form] += 1
         return True
 
-    def forget(self, tables: Any, index: Any, requests: Any, request_ids: list[str]) -> dict[str, dict]:
+    def forget(
+        self, tables: Any, index: Any, requests: Any, request_ids: list[str], counted: Any = None
+    ) -> dict[str, dict]:
         """Take the lowered requests asked about off the tables; per engine id, what
         their blocks saved: kept rows, and :data:`OUTPUT` under the result's name
         for a block that got that far (as Python, the line after the loop runs only
-        once the loop's last step has)."""
+        once the loop's last step has). ``counted``: request id -> how many of its
+        steps count, where vLLM ran it past the token that ended it (``stops.py``)."""
         from . import _nnsight as nns
 
         if tables is None or not tables.requests:
@@ -127,6 +130,7 @@ class Lowering:
                 if taken is None:
                     continue
                 lowered, steps = taken
+                steps = min(steps, (counted or {}).get(internal, steps))
                 request = requests.requests.get(internal)
                 try:
                     if request is None:
@@ -135,7 +139,7 @@ class Lowering:
                         request.error = nns.capture_exception(_overflow(lowered, internal))
                         continue
                     try:
-                        saves = tables.saves(lowered)
+                        saves = tables.saves(lowered, steps)
                     except Exception as error:  # that request's failure, no other's
                         request.error = nns.capture_exception(error)
                         continue

@@ -9,7 +9,9 @@ and drives it with three plain torch hooks instead of a replacement model runner
   new requests (``admit.py``), reads the step layout, and opens the interleaver;
 - as the runner's sampler is called, ``model.logits`` is served;
 - once it drew, ``model.samples`` is served, any request whose block raised is
-  ended, and what each block saved is snapshotted.
+  ended, and what each block saved is snapshotted; a request that drew the
+  token that ends it sits out the step async scheduling still gives it
+  (``stops.py``).
 
 Which runner vLLM built (V1 or V2) is the adapter's business
 (``seams.runner_of``): the layout, the sampler's two calls, asking for an eager
@@ -45,8 +47,9 @@ from .budget import watchdogs
 from .edits import marked
 from .lowering import OUTPUT, Lowering
 from .refusals import refuse_chunked
-from .resume import narrow, recompute_spans, refuse_resumed
+from .resume import SITTING_OUT, narrow, recompute_spans, refuse_resumed
 from .step import Phase, Step
+from .stops import Stops
 from .writes import writes
 
 logger = logging.getLogger("vllm_nnsight_plugin")
@@ -86,6 +89,7 @@ class WorkerRuntime:
         self.kernels: Any = None  # the eager kernels for a compiled engine's Python steps
         self.lowering = Lowering(runner)  # requests whose blocks run on the tap tables
         self.step: Step | None = None
+        self.stops = Stops(seams.schedules_ahead(runner.vllm_config))
         self.uncollected = Uncollected(float(settings.value(_UNCOLLECTED_ENV)))
         self.step_watch, self.pack_watch = watchdogs()
 
@@ -189,6 +193,9 @@ class WorkerRuntime:
             request = requests.requests.get(data.req_id)
             if request is not None and request.mediator is not None:
                 self._lower(self.lowering.lower, request, tables, self.model, rows, most, digest)
+        for data in seams.new_requests(scheduler_output):
+            if data.req_id in requests.requests and data.req_id not in self.stops.tokens:
+                self.stops.admit(data.req_id, data.sampling_params)
 
     @staticmethod
     def _lower(how: Any, request: Any, *args: Any) -> bool:
@@ -212,18 +219,24 @@ class WorkerRuntime:
         step.taps_filled = True
         if tables.idle():
             return
-        tables.fill(*self.adapter.rows(self.runner))
+        step.filled = self.adapter.rows(self.runner)
+        tables.fill(*step.filled)
 
     def _forward_wanted(self, scheduler_output: Any) -> bool:
         """Whether a block in this step, not yet finished, may ask for a module location."""
         requests = self.requests.requests
         if not requests or self._all_lowered():
             return False
+        ended = self.stops.ended
         for request_id in seams.scheduled_ids(scheduler_output):
             request = requests.get(request_id)
-            if request is not None and any(
-                (m.worker is None or m.alive or m.caches) and getattr(m, "needs_forward", True)
-                for m in request.workers()
+            if (
+                request is not None
+                and request_id not in ended
+                and any(
+                    (m.worker is None or m.alive or m.caches) and getattr(m, "needs_forward", True)
+                    for m in request.workers()
+                )
             ):
                 return True
         return False
@@ -284,6 +297,10 @@ class WorkerRuntime:
         view = self.adapter.view(self.runner)
         spans = view.spans()
         step.rows = view.rows()
+        step.discarded = [r for r, thrown in zip(view.req_ids, view.discarded) if thrown]
+        ended = self.stops.ended
+        if ended:  # vLLM runs them once more and throws the sample away
+            spans = [(SITTING_OUT, n) if r in ended else (r, n) for r, n in spans]
         last = None
         if self.recomputing:  # sit out a recompute's thrown-away chunks; see its last row only
             spans, last, sat_out = recompute_spans(spans, self.recomputing, view.discarded)
@@ -326,7 +343,10 @@ class WorkerRuntime:
     def _on_samples(self, sampled: Any) -> Any:
         """The ``[requests, 1]`` tokens the sampler drew; a tensor back replaces them."""
         step = self.step
-        if step is None or step.phase is not Phase.SAMPLING:
+        if step is None:
+            return None
+        if step.phase is not Phase.SAMPLING:
+            self._lowered_drew(step, sampled)
             return None
         step.phase = Phase.DONE
         self._end_python(step)
@@ -337,8 +357,27 @@ class WorkerRuntime:
         if eos is not None:
             nns.finish_erred(self.requests, sampled, eos)
             self._finish_refused(step, sampled, eos)
+        if self.stops.tokens:
+            self.stops.drew(sampled, step.rows, step.discarded)
+            self._lowered_drew(step, sampled)
         self.requests.record_saves()
         return sampled
+
+    def _lowered_drew(self, step: Step, sampled: Any) -> None:
+        """Note what this step's lowered requests drew (read later: ``stops.py``).
+        A forward of several rows after the first is a recompute, whose sample
+        vLLM may throw away: not noted."""
+        tokens, tables = self.stops.tokens, self.tables
+        if not tokens or step.filled is None or tables is None:
+            return
+        req_ids, bounds = step.filled
+        rows = []
+        for row, request_id in enumerate(req_ids):
+            if request_id in tokens and request_id in tables.requests:
+                steps = tables.steps(request_id)
+                if steps == 1 or bounds[row + 1] - bounds[row] == 1:
+                    rows.append((request_id, row, steps - 1))
+        self.stops.lowered_drew(sampled, rows)
 
     def _finish_refused(self, step: Step, sampled: Any, eos: int) -> None:
         """End requests whose block never started (refused envelope, chunked prompt)."""
@@ -366,7 +405,10 @@ class WorkerRuntime:
         from .collect import pack, pool_part, synchronize_device, wind_up
 
         finished = pickle.loads(outputs) if outputs else None
-        lowered = self.lowering.forget(self.tables, self.index, self.requests, request_ids)
+        self.stops.settle()
+        lowered = self.lowering.forget(
+            self.tables, self.index, self.requests, request_ids, self.stops.counted
+        )
         reporting = seams.reports_saves()
         entries = wind_up(self.requests, self.model, self.index, request_ids, finished, reporting)
         if reporting:
@@ -381,13 +423,16 @@ class WorkerRuntime:
                     entries[engine_id]["saves"][name] = value
         self.uncollected.forget(self.requests.requests)
         self.recomputing.intersection_update(self.requests.requests)
+        self.stops.keep_only(self.requests.requests)
         if any(entry.get("saves") or entry.get("sequences") for entry in entries.values()):
             synchronize_device()
         # Only a step that stayed compiled misses module locations; with Python steps a
         # location "already run past" is the block's own order (layer 20, then 10).
         miss = None if self.eager or self.eager_steps else self._compiled_miss()
         pooler = Pooler()
-        parts = [pack(rid, entries.get(rid), self.limits, miss, pooler, self.pack_watch) for rid in request_ids]
+        parts = [
+            pack(rid, entries.get(rid), self.limits, miss, pooler, self.pack_watch) for rid in request_ids
+        ]
         return parts + pool_part(pooler)
 
     def _compiled_miss(self) -> str:

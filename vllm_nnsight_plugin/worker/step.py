@@ -38,6 +38,10 @@ class Step:
     rows: dict[str, int] = field(default_factory=dict)
     #: The tap tables hold this step's rows (``taps/install.py``).
     taps_filled: bool = False
+    #: What the tap tables were filled with: the request ids in row order, their row offsets.
+    filled: Any = None
+    #: Requests whose sample this step vLLM throws away (a chunk before the prompt's end).
+    discarded: list[str] = field(default_factory=list)
 
     @property
     def open(self) -> bool:
