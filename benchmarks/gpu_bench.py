@@ -140,14 +140,14 @@ def steer_tokens(model, batch, tokens, vector) -> list[list[int]]:
 
 
 def steer_tokens_python(model, batch, tokens, vector) -> list[list[int]]:
-    """The same edit written so that it runs as Python."""
+    """The same edit written so that it runs as Python (an assignment, not ``+=``)."""
     layer = model.model.layers[LAYER]
     with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
         for ids in batch:
             with tracer.invoke(ids):
                 for _ in tracer.iter[:tokens]:
                     hidden = layer.output[0]
-                    hidden[:] += vector
+                    hidden[:] = hidden + vector
                 out = tracer.result.save()
     return [list(o.outputs[0].token_ids) for o in out]
 

@@ -51,11 +51,102 @@ def test_patterns_resolve_in_model_order_and_refuse_what_does_not_exist():
         "for _ in tracer.iter[:16]:\n    model.model.layers[10].output[0][:] += 60.0 * vector\n",
         "for _ in tracer.iter[2:steps]:\n    model.model.layers[i].output[0][:] += vector\nout = tracer.result.save()\n",
         "for step in tracer.all():\n    layer.output[0][:] += -(a * v) / 2\n",
+        # the docs' spelling: the tap's value named, the vector moved to it
+        "for _ in tracer.iter[:12]:\n    hidden = layer.output[0]\n    hidden[:] += 40.0 * v.to(hidden.device)\n",
+        "for _ in tracer.iter[:3]:\n    h = layer.output[0]\n    h[:] += v\n",
+        "for _ in tracer.iter[:3]:\n    h = layer.output[0]\n    h += s * v.to(h)\n",
+        "for _ in tracer.all():\n    h = layer.output[0]\n    h[:] += (v.to(h.dtype) - w.to(dev)) * 2\n",
+        "for _ in tracer.iter[:3]:\n    h = layer.mlp.output\n    h[:] += v\n",
     ],
 )
 def test_the_steering_loop_forms_are_recognised(source):
     form = block_form(source)
     assert form is not None and form.vector is not None and not form.code
+    assert form.alias is None or form.alias not in form.names
+
+
+def test_the_names_a_steering_vector_reads():
+    form = block_form(
+        "for _ in tracer.iter[:3]:\n    h = layer.output[0]\n    h[:] += (v.to(h.dtype) - w.to(dev)) * 2\n"
+    )
+    assert form.alias == "h" and form.names == {"v", "w", "dev"} and form.tap == ("layer",)
+    assert block_form("for _ in tracer.iter[:3]:\n    h = layer.mlp.output\n    h[:] += v\n").whole
+
+
+def test_bounds_and_layers_named_by_attributes_are_read_without_running_the_objects_code():
+    """``tracer.iter[:cfg.steps]`` and ``layers[cfg.layer]`` lower when reading
+    them runs nothing of the object's own; a property or a custom lookup does."""
+    import types
+    from dataclasses import dataclass
+
+    from vllm_nnsight_plugin.taps.forms import Index
+    from vllm_nnsight_plugin.taps.lower import _number, _site
+
+    form = block_form(
+        "for _ in tracer.iter[:cfg.run.steps]:\n    model.model.layers[cfg.layer].output[0][:] += v\n"
+    )
+    assert form.stop == Index("cfg", ("run", "steps")) and form.tap[-1] == Index("cfg", ("layer",))
+
+    @dataclass
+    class Run:
+        steps: int = 4
+
+    class Counted:
+        layer = 7  # a plain class value
+
+        @property
+        def steps(self):
+            raise AssertionError("ran the object's code")
+
+    class Lookup:
+        def __getattr__(self, name):
+            raise AssertionError("ran the object's code")
+
+    cfg = types.SimpleNamespace(run=Run(), layer=3)
+    assert _number(form.stop, {"cfg": cfg}) == 4 and _number(Index("cfg", ("layer",)), {"cfg": cfg}) == 3
+    assert _number(Index("c", ("layer",)), {"c": Counted()}) == 7
+    assert _number(Index("c", ("steps",)), {"c": Counted()}) is None  # a property: Python reads it
+    assert _number(Index("c", ("steps",)), {"c": Lookup()}) is None
+    assert _number(Index("c", ("__class__",)), {"c": cfg}) is None
+    assert _number(Index("c", ("layer",)), {"c": types.SimpleNamespace(layer=2.0)}) is None  # not whole
+
+    class Model:
+        pass
+
+    model = Model()
+    assert _site(form.tap, {"model": model, "cfg": cfg}, model) == "model.layers.3"
+    assert _site(form.tap, {"model": model, "cfg": Counted()}, model) == "model.layers.7"
+    assert _site(form.tap, {"model": model, "cfg": Lookup()}, model) is None
+
+
+def test_a_vector_moved_to_the_taps_value_is_worked_out_as_the_block_would():
+    """At admission the tap's value is not there yet: ``.to(hidden)`` reads only its
+    dtype and device, the model's, and gives what the block computes each step."""
+    from vllm_nnsight_plugin.taps.lower import _vector
+
+    source = "for _ in tracer.iter[:3]:\n    h = layer.output[0]\n    h[:] += {}\n"
+    torch.manual_seed(0)
+    v, w = torch.randn(8), torch.randn(8, dtype=torch.float64)
+    scope = {"v": v, "w": w, "dev": torch.device("cpu"), "half": torch.bfloat16, "s": 3}
+
+    def worked_out(vector, dtype=torch.bfloat16):
+        return _vector(block_form(source.format(vector)), scope, 8, dtype, torch.device("cpu"))
+
+    hidden = torch.zeros(4, 8, dtype=torch.bfloat16)  # what the block would see
+    for vector, want in [
+        ("s * v.to(h)", 3 * v.to(hidden)),
+        ("40.0 * v.to(h.device)", 40.0 * v.to(hidden.device)),
+        ("(v.to(h.dtype) - w.to(v)) * 2", (v.to(hidden.dtype) - w.to(v)) * 2),
+        ("v.to(half)", v.to(torch.bfloat16)),
+    ]:
+        got = worked_out(vector)
+        assert got is not None and got.dtype == want.dtype and torch.equal(got, want), vector
+    assert worked_out("w.to(dev)") is None  # float64: not what the tables add exactly
+    assert worked_out("v.to(h)", dtype=torch.float64) is None  # a dtype the tables do not run
+    assert (
+        _vector(block_form(source.format("v.to(dev)")), {**scope, "dev": "cpu"}, 8, torch.bfloat16, "cpu")
+        is None
+    )
 
 
 @pytest.mark.parametrize(
@@ -63,11 +154,22 @@ def test_the_steering_loop_forms_are_recognised(source):
     [
         # a second edit, a read, a save, another statement: Python
         "for _ in tracer.iter[:3]:\n    layer.output[0][:] += v\n    layer.output[0][:] += v\n",
-        "for _ in tracer.iter[:3]:\n    h = layer.output[0]\n    h[:] += v\n",
         "x = 1\nfor _ in tracer.iter[:3]:\n    layer.output[0][:] += v\n",
         # the loop variable, a call, a step in the slice, a part of the rows, the residual
         "for s in tracer.iter[:3]:\n    layer.output[0][:] += s * v\n",
         "for _ in tracer.iter[:3]:\n    layer.output[0][:] += v.to('cuda')\n",
+        # the tap's value read as more than its dtype and device, or edited otherwise
+        "for _ in tracer.iter[:3]:\n    h = layer.output[0]\n    h[:] += h.norm() * v\n",
+        "for _ in tracer.iter[:3]:\n    h = layer.output[0]\n    h[:] += v.to(h.shape)\n",
+        "for _ in tracer.iter[:3]:\n    h = layer.output[0]\n    h[:] += h\n",
+        "for _ in tracer.iter[:3]:\n    h = layer.output[0]\n    h[-1] += v\n",
+        "for _ in tracer.iter[:3]:\n    h = layer.output[0]\n    g[:] += v\n",
+        "for _ in tracer.iter[:3]:\n    h = layer.output[0]\n    h[:] -= v\n",
+        "for _ in tracer.iter[:3]:\n    h = layer.output[1]\n    h[:] += v\n",
+        "for _ in tracer.iter[:3]:\n    h = layer.output[0]\n    h[:] = h + v\n",
+        "for _ in tracer.iter[:3]:\n    h = layer.output[0]\n    layer.output[0][:] += v\n",
+        "for _ in tracer.iter[:3]:\n    v = layer.output[0]\n    v[:] += v.to(v)\n",
+        "for _ in tracer.iter[:3]:\n    h = layer.output[0]\n    h[:] += v.to(h, copy=True)\n",
         "for _ in tracer.iter[::2]:\n    layer.output[0][:] += v\n",
         "for _ in tracer.iter[:3]:\n    layer.output[0][-1] += v\n",
         "for _ in tracer.iter[:3]:\n    layer.output[1][:] += v\n",
@@ -94,6 +196,9 @@ KEEP_LOOP = "rows = list().save()\nfor _ in tracer.iter[:8]:\n    rows.append({}
             KEEP_SUM,
             None,
         ),
+        (KEEP_LOOP.format("layer.output[0][-1].clone()"), KEEP_FIRST, -1),
+        (KEEP_LOOP.format("layer.output[1].clone()[0]"), KEEP_SECOND, 0),
+        (KEEP_LOOP.format("(layer.output[0] + layer.output[1])[-1]"), KEEP_SUM, -1),
         (
             "rows = list().save()\nfor _ in tracer.all():\n    rows.append(layer.output[0].clone())\n",
             KEEP_FIRST,
@@ -143,7 +248,11 @@ def test_other_caches_run_as_python(source):
     "source",
     [
         KEEP_LOOP.format("layer.output[0]"),  # a view of vLLM's buffer: its value may change
-        KEEP_LOOP.format("layer.output[0][-1].clone()"),  # part of the rows
+        KEEP_LOOP.format("layer.output[0][-1]"),  # a view of one row
+        KEEP_LOOP.format("layer.output[0][1].clone()"),  # a row a decode step does not have
+        KEEP_LOOP.format("layer.output[0][-2].clone()"),
+        KEEP_LOOP.format("layer.output[0][-1:].clone()"),  # a slice of the rows
+        KEEP_LOOP.format("layer.output[0][k].clone()"),
         KEEP_LOOP.format("layer.output[0].clone().cpu()"),
         KEEP_LOOP.format("layer.output[0] + other.output[1]"),
         KEEP_LOOP.format("layer.output[0] - layer.output[1]"),
@@ -253,6 +362,40 @@ def test_kept_rows_go_straight_to_each_requests_region_of_the_store():
     assert tables.idle() and not tables.codes.any() and not tables.dest.any()
 
 
+def test_a_keep_of_one_row_each_step_keeps_that_row_only():
+    """``rows.append(<tap>.output[0][-1].clone())``: the prompt's last row, then
+    each step's; ``[0]``: the first. Beside a keep of every row, in one step."""
+    tables = TapTables(("model.layers.0",), max_tokens=8, hidden=3, entries=4, device="cpu", store_size=32)
+    last = Lowered(0, 0, None, None, code=KEEP_FIRST, name="last", select=-1)
+    first = Lowered(0, 0, None, None, code=KEEP_SECOND, name="first", select=0)
+    every = Lowered(0, 0, None, None, code=KEEP_FIRST, name="every")
+    assert tables.add("l", last, room=8) and tables.add("f", first, room=8) and tables.add("e", every, room=8)
+    steps = []
+    for req_ids, starts, counts in [
+        (["l", "f", "e"], [0, 3, 5], [3, 2, 2]),
+        (["e", "l", "f"], [0, 1, 2], [1, 1, 1]),
+        (["f", "l", "e"], [0, 1, 2], [1, 1, 1]),
+    ]:
+        tables.fill(req_ids, bounds(starts, counts))
+        hidden, residual = torch.randn(8, 3), torch.randn(8, 3)
+        torch.ops.vllm_nnsight.keep(hidden, residual, tables.codes, tables.dest, tables.store, 0)
+        steps.append((hidden, residual))
+    saved = {}
+    for name in ("l", "f", "e"):
+        lowered, _ = tables.forget(name)
+        saved.update(tables.saves(lowered))
+        tables.release(lowered)
+    (h0, r0), (h1, r1), (h2, r2) = steps
+    rows = saved["last"].unstack()
+    assert [tuple(r.shape) for r in rows] == [(3,)] * 3
+    assert torch.equal(rows[0], h0[2]) and torch.equal(rows[1], h1[1]) and torch.equal(rows[2], h2[1])
+    rows = saved["first"].unstack()
+    assert torch.equal(rows[0], r0[3]) and torch.equal(rows[1], r1[2]) and torch.equal(rows[2], r2[0])
+    rows = saved["every"].unstack()
+    assert [tuple(r.shape) for r in rows] == [(2, 3), (1, 3), (1, 3)] and torch.equal(rows[0], h0[5:7])
+    assert tables.kept_rows == 3 + 3 + 4 and tables.regions.free_rows() == 31
+
+
 def test_a_cache_keeps_both_outputs_of_each_row_in_pairs():
     tables = TapTables(("model.layers.0",), max_tokens=8, hidden=3, entries=4, device="cpu", store_size=32)
     cache = Lowered(0, 0, None, None, code=KEEP_BOTH, name="cache", cache="model.model.layers.0")
@@ -341,13 +484,14 @@ def steer_seeds_loop(model, vectors, layer=10, steps=5):
 
 
 def steer_as_python(model, vectors, layer=10, steps=5):
-    """The same edit written so that it is not lowered: it runs as Python."""
+    """The same edit written so that it is not lowered (an assignment, not ``+=``):
+    it runs as Python."""
     with model.trace(temperature=0.0, max_tokens=steps, logprobs=3) as tracer:
         for vector in vectors:
             with tracer.invoke(PROMPT):
                 for _ in tracer.iter[:steps]:
                     hidden = model.model.layers[layer].output[0]
-                    hidden[:] += 6.0 * vector
+                    hidden[:] = hidden + 6.0 * vector
                 out = tracer.result.save()
     return out if len(vectors) > 1 else [out]
 
@@ -406,6 +550,29 @@ def test_the_seeds_steering_loop_is_lowered_and_equals_the_python_path_bit_for_b
     assert stats["tracked"] == 0 and stats["lowered_now"] == 0
 
 
+def steer_as_the_docs_write_it(model, vector, steps=5):
+    with model.trace(PROMPT, temperature=0.0, max_tokens=steps, logprobs=3) as tracer:
+        for _ in tracer.iter[:steps]:
+            hidden = model.model.layers[10].output[0]
+            hidden[:] += 6.0 * vector.to(hidden)  # the engine's dtype and device
+        out = tracer.result.save()
+    return out
+
+
+def test_the_docs_steering_loop_is_lowered_and_equals_the_python_path_bit_for_bit(smollm2_llm, smol):
+    """The tap's value named, the vector moved to it, as the docs write it."""
+    torch.manual_seed(4)
+    vector = torch.randn(576)  # the client's, moved where the engine runs by the block
+    before = lowered_count(smollm2_llm)
+    lowered = steer_as_the_docs_write_it(smol, vector)
+    assert lowered_count(smollm2_llm) - before == 1
+    python = steer_as_python(smol, [vector.to(DEVICE)])
+    assert lowered_count(smollm2_llm) - before == 1
+    same_generation([lowered], python)
+    plain = smollm2_llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)
+    assert list(plain[0].outputs[0].token_ids) != list(lowered.outputs[0].token_ids)  # it steered
+
+
 def test_lowered_python_and_plain_requests_share_steps(smollm2_llm, smol):
     torch.manual_seed(2)
     vector = torch.randn(576).to(DEVICE)
@@ -435,7 +602,7 @@ def test_lowered_python_and_plain_requests_share_steps(smollm2_llm, smol):
             with tracer.invoke(PROMPT):
                 for _ in tracer.iter[:4]:
                     hidden = model.model.layers[20].output[0]
-                    hidden[:] += 4.0 * vector
+                    hidden[:] = hidden + 4.0 * vector
                 first = tracer.result.save()
             with tracer.invoke(PROMPT):
                 reads = list().save()
@@ -474,7 +641,7 @@ def test_the_line_after_the_loop_runs_only_if_the_loop_ends_on_both_paths(smollm
         with smol.trace(PROMPT, temperature=0.0, max_tokens=2) as tracer:
             for _ in tracer.iter[:3]:
                 hidden = smol.model.layers[10].output[0]
-                hidden[:] += vector
+                hidden[:] = hidden + vector
             out = tracer.result.save()
         return out
 

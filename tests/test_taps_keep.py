@@ -101,6 +101,32 @@ def first_python(model, tokens):
     return last, out
 
 
+def last_rows_lowered(model, tokens):
+    with model.trace(PROMPT, temperature=0.0, max_tokens=tokens) as tracer:
+        last = list().save()
+        for _ in tracer.iter[:tokens]:
+            last.append(model.model.layers[10].output[0][-1].clone())
+    with model.trace(PROMPT, temperature=0.0, max_tokens=tokens) as tracer:
+        first = list().save()
+        for _ in tracer.all():
+            first.append((model.model.layers[20].output[0] + model.model.layers[20].output[1])[0])
+    return last, first
+
+
+def last_rows_python(model, tokens):
+    with model.trace(PROMPT, temperature=0.0, max_tokens=tokens) as tracer:
+        last = list().save()
+        for _ in tracer.iter[:tokens]:
+            hidden = model.model.layers[10].output[0]
+            last.append(hidden[-1].clone())
+    with model.trace(PROMPT, temperature=0.0, max_tokens=tokens) as tracer:
+        first = list().save()
+        for _ in tracer.all():
+            hidden, residual = model.model.layers[20].output
+            first.append((hidden + residual)[0])
+    return last, first
+
+
 def same_list(got, want) -> None:
     assert type(got) is list and len(got) == len(want)
     for a, b in zip(got, want):
@@ -123,6 +149,21 @@ def test_the_capture_loop_is_lowered_and_keeps_what_python_keeps_bit_for_bit(smo
     same_list(keep_lowered(smol, 20, 10, 3), keep_python(smol, 20, 10, 3))
     # the residual, from the second step on
     same_list(residual_lowered(smol, 20, 4), residual_python(smol, 20, 4))
+
+
+def test_one_row_of_each_step_is_kept_lowered_as_python_keeps_it_bit_for_bit(smollm2_llm, smol):
+    """``rows.append(<tap>.output[0][-1].clone())``: the prompt's last row, then each
+    new token's (and ``[0]`` of the residual stream: the prompt's first row)."""
+    before = stats(smollm2_llm)
+    lowered = last_rows_lowered(smol, 4)
+    middle = stats(smollm2_llm)
+    python = last_rows_python(smol, 4)
+    assert middle["lowered_by"]["keep"] - before["lowered_by"]["keep"] == 2
+    assert stats(smollm2_llm)["lowered"] == middle["lowered"]
+    assert middle["kept_rows"] - before["kept_rows"] == 8
+    for got, want in zip(lowered, python, strict=True):
+        assert [tuple(t.shape) for t in got] == [(576,)] * 4
+        same_list(got, want)
 
 
 def test_the_residual_stream_sum_is_kept_every_step_and_tracer_result_follows(smollm2_llm, smol):

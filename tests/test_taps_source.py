@@ -159,7 +159,7 @@ def steer_python(model, vector, steps=4):
     with model.trace(PROMPT, temperature=0.0, max_tokens=steps, logprobs=3) as tracer:
         for _ in tracer.iter[:steps]:
             value = model.model.layers[10].self_attn.source.self_attn_0.output
-            value[:] += 3.0 * vector
+            value[:] = value + 3.0 * vector
         out = tracer.result.save()
     return out
 

@@ -51,7 +51,7 @@ def steer_python(model, vectors):
             with tracer.invoke(prompt):
                 for _ in tracer.iter[:12]:
                     hidden = model.model.layers[10].output[0]
-                    hidden[:] += vector
+                    hidden[:] = hidden + vector  # an assignment: not lowered
                 out = tracer.result.save()
     return out
 

@@ -6,9 +6,13 @@ statement; anything else, down to one more statement, runs as Python:
     for _ in tracer.iter[a:b]:          # steering (or tracer.all())
         <tap>.output[0][:] += <vector>
 
+    for _ in tracer.iter[a:b]:          # the same, through a name
+        hidden = <tap>.output[0]
+        hidden[:] += <vector>           # or hidden += <vector>
+
     rows = list().save()                # keeping a tap's rows every step
     for _ in tracer.iter[a:b]:
-        rows.append(<kept>)
+        rows.append(<kept>)             # or one row of them: <kept>[-1], <kept>[0]
 
     first = <kept>[<index>].save()      # a read on the first step only (index optional)
 
@@ -22,8 +26,11 @@ captured node of the tree), or an operation of one
 ``<tap>.output[0] + <tap>.output[1]`` (the residual stream, optionally
 ``.clone()``d) for a tap whose value is a tuple, and ``<tap>.output.clone()``
 for one whose value is a tensor (which steers as ``<tap>.output[:] += ...``);
-``<vector>`` is ``+ - * /`` over numbers and captured names. Forms are cached per
-source; what the names hold is checked at admission (``lower.py``).
+``<vector>`` is ``+ - * /`` over numbers and captured names, each of which may be
+moved with ``.to(...)`` to a captured dtype, device or tensor, or to the tap's
+own (``.to(hidden)``, ``.to(hidden.dtype)``, ``.to(hidden.device)``, where
+``hidden`` names the tap's value). Forms are cached per source; what the names
+hold is checked at admission (``lower.py``).
 """
 
 from __future__ import annotations
@@ -40,9 +47,11 @@ _ARITHMETIC = (ast.Add, ast.Sub, ast.Mult, ast.Div)
 
 @dataclass(frozen=True)
 class Index:
-    """A whole number written as a name (``layers[layer]``, ``iter[:steps]``), read at admission."""
+    """A whole number written as a name (``layers[layer]``, ``iter[:steps]``) or an
+    attribute of one (``iter[:cfg.steps]``), read at admission."""
 
     name: str
+    attrs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,7 @@ class Form:
     select: Any = None  # a body read's index (an int or a slice), or None
     single: bool = False
     whole: bool = False  # the block uses ``output`` itself, not ``output[0]``/``output[1]``
+    alias: str | None = None  # the name a steering loop gives the tap's value
 
     @property
     def cache(self) -> bool:
@@ -96,24 +106,40 @@ def block_form(source: str) -> Form | None:
 def _steering(body: list[ast.stmt]) -> Form | None:
     if len(body) != 1:
         return None
-    loop = _loop(body[0])
+    loop = _loop(body[0], 2)
     if loop is None:
         return None
-    tracer, start, stop, target, edit = loop
-    if not (isinstance(edit, ast.AugAssign) and isinstance(edit.op, ast.Add) and _is_full_slice(edit.target)):
+    tracer, start, stop, target, statements = loop
+    alias = None
+    if len(statements) == 2:  # hidden = <tap>.output[0]; hidden[:] += <vector>
+        alias, edit = _assigned(statements[0]), statements[1]
+        if alias is None or not isinstance(edit, ast.AugAssign):
+            return None
+        read = statements[0].value
+        edited = edit.target.value if _is_full_slice(edit.target) else edit.target
+        if not (isinstance(edited, ast.Name) and edited.id == alias):
+            return None
+    else:
+        (edit,) = statements
+        if not (isinstance(edit, ast.AugAssign) and _is_full_slice(edit.target)):
+            return None
+        read = edit.target.value
+    if not isinstance(edit.op, ast.Add):
         return None
-    whole = _is_output(edit.target.value)
-    if not whole and _output(edit.target.value) != 0:
+    whole = _is_output(read)
+    if not whole and _output(read) != 0:
         return None
-    tap = _module_path(edit.target.value.value if whole else edit.target.value.value.value)
-    names = _vector_names(edit.value)
+    tap = _module_path(read.value if whole else read.value.value)
+    names = _vector_names(edit.value, alias)
     if tap is None or names is None:
         return None
-    if _reads(tap, start, stop) & {target, tracer} or names & {target, tracer}:
+    if _reads(tap, start, stop) & {target, tracer, alias} or names & {target, tracer, alias}:
         return None
     vector = ast.Expression(body=edit.value)
     ast.fix_missing_locations(vector)
-    return Form(tracer, start, stop, tap, None, vector=vector, names=frozenset(names), whole=whole)
+    return Form(
+        tracer, start, stop, tap, None, vector=vector, names=frozenset(names), whole=whole, alias=alias
+    )
 
 
 def _keeping(body: list[ast.stmt]) -> Form | None:
@@ -125,7 +151,7 @@ def _keeping(body: list[ast.stmt]) -> Form | None:
     loop = _loop(body[1])
     if loop is None:
         return None
-    tracer, start, stop, target, statement = loop
+    tracer, start, stop, target, (statement,) = loop
     call = statement.value if isinstance(statement, ast.Expr) else None
     if not (
         isinstance(call, ast.Call)
@@ -137,13 +163,38 @@ def _keeping(body: list[ast.stmt]) -> Form | None:
         and call.func.value.id == kept
     ):
         return None
-    value = _kept_value(call.args[0])
+    value, select = _kept_value(call.args[0]), None
     if value is None:
-        return None
+        found = _kept_row(call.args[0])
+        if found is None:
+            return None
+        value, select = found
     tap, code, whole = value
     if _reads(tap, start, stop) & {target, tracer, kept}:
         return None
-    return Form(tracer, start, stop, tap, None, code=code, kept=kept, whole=whole)
+    return Form(tracer, start, stop, tap, None, code=code, kept=kept, select=select, whole=whole)
+
+
+#: The rows a step-by-step keep may pick: one every step of any request has.
+_EVERY_STEP_ROWS = (-1, 0)
+
+
+def _kept_row(node: ast.expr) -> tuple[tuple[tuple, int, bool], int] | None:
+    """One row of a new tensor holding a tap's output, each step: ``<tap>.output[0][-1].clone()``,
+    ``<tap>.output[0].clone()[-1]`` or ``(<tap>.output[0] + <tap>.output[1])[-1]`` (or ``[0]``)
+    -> (what :func:`_kept_value` gives, the row). Another row is not there on every step (a
+    decode step has one), so Python raises there: not lowered."""
+    if _is_clone(node) and isinstance(node.func.value, ast.Subscript):
+        indexed = node.func.value  # <output>[i].clone()
+        select, value = _int(indexed.slice), _tap_value(indexed.value)
+    elif isinstance(node, ast.Subscript):
+        select = _int(node.slice)  # <copy>[i]
+        value = _kept_value(node.value)
+    else:
+        return None
+    if value is None or select not in _EVERY_STEP_ROWS:
+        return None
+    return value, select
 
 
 def _first_read(body: list[ast.stmt]) -> Form | None:
@@ -190,12 +241,12 @@ def _cached(body: list[ast.stmt]) -> Form | None:
 
 
 # ---------------------------------------------------------------- parts
-def _loop(node: ast.stmt) -> tuple[str, Any, Any, str, ast.stmt] | None:
-    """``for <name> in tracer.iter[a:b]:`` with one statement -> its parts."""
+def _loop(node: ast.stmt, most: int = 1) -> tuple[str, Any, Any, str, list[ast.stmt]] | None:
+    """``for <name> in tracer.iter[a:b]:`` with up to ``most`` statements -> its parts."""
     if (
         not isinstance(node, ast.For)
         or node.orelse
-        or len(node.body) != 1
+        or not 1 <= len(node.body) <= most
         or not isinstance(node.target, ast.Name)
     ):
         return None
@@ -203,7 +254,7 @@ def _loop(node: ast.stmt) -> tuple[str, Any, Any, str, ast.stmt] | None:
     if steps is None:
         return None
     tracer, start, stop = steps
-    return tracer, start, stop, node.target.id, node.body[0]
+    return tracer, start, stop, node.target.id, list(node.body)
 
 
 def _assigned_call(body: list[ast.stmt], method: str) -> tuple[str, ast.Call] | None:
@@ -359,9 +410,16 @@ def _whole(node: ast.expr | None, default: int | None) -> Any:
         return default
     if isinstance(node, ast.Constant) and type(node.value) is int and node.value >= 0:
         return node.value
-    if isinstance(node, ast.Name):
-        return Index(node.id)
-    return None
+    return _named(node)
+
+
+def _named(node: ast.expr) -> Index | None:
+    """``steps`` or ``cfg.steps`` (attributes of a name, any depth) -> an Index."""
+    attrs: list[str] = []
+    while isinstance(node, ast.Attribute):
+        attrs.append(node.attr)
+        node = node.value
+    return Index(node.id, tuple(reversed(attrs))) if isinstance(node, ast.Name) else None
 
 
 def _is_full_slice(node: ast.expr) -> bool:
@@ -389,8 +447,8 @@ def _module_path(node: ast.expr) -> tuple | None:
                 return None
             parts.append(index)
             node = node.value
-        elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Name):
-            parts.append(Index(node.slice.id))  # a captured whole number, read at admission
+        elif isinstance(node, ast.Subscript) and _named(node.slice) is not None:
+            parts.append(_named(node.slice))  # a captured whole number, read at admission
             node = node.value
         else:
             return None
@@ -401,15 +459,38 @@ def _reads(tap: tuple, start: Any, stop: Any) -> set[str]:
     return {tap[0]} | {part.name for part in (*tap[1:], start, stop) if isinstance(part, Index)}
 
 
-def _vector_names(node: ast.expr) -> set[str] | None:
-    """The names an arithmetic expression of names and numbers reads; None otherwise."""
+def _vector_names(node: ast.expr, alias: str | None = None) -> set[str] | None:
+    """The names an arithmetic expression of names and numbers reads; None otherwise.
+    A name moved with ``.to(...)`` counts, moved to a captured name (checked at
+    admission: a dtype, a device or a tensor) or to the tap's value (``alias``),
+    its dtype or its device; the alias itself is not among the names."""
     if isinstance(node, ast.Name):
         return {node.id}
     if isinstance(node, ast.Constant):
         return set() if type(node.value) in (int, float) else None
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        return _vector_names(node.operand)
+        return _vector_names(node.operand, alias)
     if isinstance(node, ast.BinOp) and isinstance(node.op, _ARITHMETIC):
-        left, right = _vector_names(node.left), _vector_names(node.right)
+        left, right = _vector_names(node.left, alias), _vector_names(node.right, alias)
         return None if left is None or right is None else left | right
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "to"
+        and len(node.args) == 1
+        and not node.keywords
+    ):
+        moved, where = _vector_names(node.func.value, alias), node.args[0]
+        if moved is None:
+            return None
+        if alias is not None and _of_alias(where, alias):
+            return moved
+        return moved | {where.id} if isinstance(where, ast.Name) else None
     return None
+
+
+def _of_alias(node: ast.expr, alias: str) -> bool:
+    """``hidden``, ``hidden.dtype`` or ``hidden.device`` for the alias ``hidden``."""
+    if isinstance(node, ast.Attribute) and node.attr in ("dtype", "device"):
+        node = node.value
+    return isinstance(node, ast.Name) and node.id == alias

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from . import ops, source
-from .kept import Lowered, Regions, kept_saves, rows_kept, store_rows
+from .kept import Lowered, Regions, kept_saves, picks_a_row, rows_kept, store_rows
 from .spec import engine_taps, resolve, split_site
 
 logger = logging.getLogger("vllm_nnsight_plugin")
@@ -41,6 +41,8 @@ logger = logging.getLogger("vllm_nnsight_plugin")
 __all__ = ["Lowered", "TapTables", "install"]
 
 _NEVER = np.iinfo(np.int64).max  # the stop of ``tracer.all()``
+#: The row of each step a keep of one row picks (``<kept>[-1]``, ``<kept>[0]``) -> its code.
+_PICKS = {-1: 1, 0: 2}
 
 
 class TapTables:
@@ -93,6 +95,7 @@ class TapTables:
         self._room = np.zeros(entries, dtype=np.int64)  # rows its region holds
         self._stride = np.ones(entries, dtype=np.int64)  # store rows per kept token row
         self._first = np.zeros(entries, dtype=np.int64)  # rows of its first forward
+        self._pick = np.zeros(entries, dtype=np.int64)  # keeps all its rows (0), the last (1), the first (2)
         self.free = list(range(entries - 1, -1, -1))
         self.requests: dict[str, Lowered] = {}
         self._entry_of: dict[str, int] = {}
@@ -126,6 +129,7 @@ class TapTables:
         self._steps[entry] = self._done[entry] = self._first[entry] = 0
         self._base[entry], self._room[entry] = lowered.base, lowered.rows
         self._stride[entry] = lowered.stride
+        self._pick[entry] = _PICKS[lowered.select] if picks_a_row(lowered) else 0
         self.requests[request_id] = lowered
         self._entry_of[request_id] = entry
         self._lowered[entry] = lowered
@@ -235,13 +239,17 @@ class TapTables:
         keeping = kind == 1
         if keeping.any():
             kept = each[keeping]
-            stride = self._stride[kept]
-            place = (self._done[kept] + within[keeping]) * stride
-            fits = place + stride <= self._room[kept]
+            stride, pick, row = self._stride[kept], self._pick[kept], within[keeping]
+            # a keep of one row of each step keeps that row only; the rest go to row 0
+            last = row == np.repeat(counts, counts)[keeping] - 1
+            chosen = (pick == 0) | ((pick == 1) & last) | ((pick == 2) & (row == 0))
+            place = (self._done[kept] + np.where(pick == 0, row, 0)) * stride
+            fits = chosen & (place + stride <= self._room[kept])
             table[slab[keeping], 2, site[keeping]] = np.where(fits, self._base[kept] + place, 0)
             mine = self._kind[entries] == 1  # entries appear once each: add per entry
-            self._done[entries[mine]] += counts[mine]
-            self.kept_rows += int(counts[mine].sum())
+            added = np.where(self._pick[entries] == 0, counts, 1)[mine]
+            self._done[entries[mine]] += added
+            self.kept_rows += int(added.sum())
         return int((starts + counts).max())
 
     def idle(self) -> bool:

@@ -44,7 +44,7 @@ class Lowered:
     result: str | None  # the name ``tracer.result.save()`` was assigned to
     code: int = 0  # keeping: what ``ops.keep`` writes (0: this block steers)
     name: str | None = None  # keeping: the name the kept rows are saved under
-    select: Any = None  # a single read: the index applied to the step's rows
+    select: Any = None  # the index applied to a step's rows: a single read's, or each step's row
     single: bool = False  # one value (a read in the body), not a list of steps
     cache: str | None = None  # a ``tracer.cache`` of the tap: the module's path in it
     entry: int = -1  # its row in the tables' per-request arrays (and the bank)
@@ -61,8 +61,20 @@ class Lowered:
 
 def rows_kept(lowered: Lowered, steps: int, first: int) -> int:
     """How many rows a keeping block keeps in its first ``steps`` forwards."""
+    return sum(_lengths(lowered, steps, first))
+
+
+def _lengths(lowered: Lowered, steps: int, first: int) -> list[int]:
+    """Rows kept at each step it keeps, of its first ``steps`` forwards."""
     stop = steps if lowered.stop is None else min(steps, lowered.stop)
-    return sum(lowered.irregular.get(s, first if s == 0 else 1) for s in range(lowered.start, stop))
+    if picks_a_row(lowered):
+        return [1] * max(0, stop - lowered.start)
+    return [lowered.irregular.get(s, first if s == 0 else 1) for s in range(lowered.start, stop)]
+
+
+def picks_a_row(lowered: Lowered) -> bool:
+    """A keep of one row of each step (``<kept>[-1]``), not of all of them."""
+    return lowered.select is not None and not lowered.single
 
 
 def kept_saves(lowered: Lowered, store: Any, steps: int, done: int, first: int) -> dict[str, Any]:
@@ -79,10 +91,12 @@ def kept_saves(lowered: Lowered, store: Any, steps: int, done: int, first: int) 
             return {}
         rows = store[lowered.base : lowered.base + done]
         return {lowered.name: (rows if lowered.select is None else rows[lowered.select]).clone()}
-    stop = steps if lowered.stop is None else min(steps, lowered.stop)
-    lengths = [lowered.irregular.get(s, first if s == 0 else 1) for s in range(lowered.start, stop)]
+    lengths = _lengths(lowered, steps, first)
     if sum(lengths) != done:  # cannot happen while the fill keeps its books
         raise RuntimeError(f"kept {done} rows, counted {sum(lengths)}")
+    if picks_a_row(lowered):  # each step's element is one row: [width]
+        data = store[lowered.base : lowered.base + done].clone()
+        return {lowered.name: Stacked(data, None) if done >= 2 else list(data.unbind(0))}
     if lowered.cache is not None:  # rows in pairs: each token's two outputs
         pairs = store[lowered.base : lowered.base + 2 * done].view(done, 2, -1)
         hidden, residual = (Stacked(pairs[:, i].clone(), tuple(lengths)) for i in range(2))

@@ -8,9 +8,15 @@ the values it captured must pass the checks here, or it runs as Python:
   the residual, for every call), ``output`` itself on a module that returns a
   tensor or on an operation (``.source``), one row per token, as wide as the
   hidden state, in the model's dtype (``TapTables.means``);
-- step bounds and indices named by variables hold whole numbers;
+- step bounds and indices named by variables hold whole numbers; one named as
+  an attribute (``cfg.steps``) is read only where reading it runs no code of
+  the object's own (an attribute it holds, or a plain one of its class: not a
+  property, nor a class that overrides attribute lookup);
 - a steering vector, built only from numbers and captured tensors with
-  ``+ - * /``, has the same value at every step, so it is evaluated once, here.
+  ``+ - * /`` and ``.to(...)`` (to a captured dtype, device or tensor, or to the
+  tap's value, whose dtype and device are the model's), has the same value at
+  every step, so it is evaluated once, here, on the same device with the same
+  operations.
   It must be a tensor of the tap's width (``[width]`` or ``[1, width]``) on the
   model's device, in the model's dtype or float32 (where adding it in float32
   and rounding once is exactly what ``+=`` does);
@@ -32,6 +38,8 @@ finished output is saved under ``out`` if the request lived through step
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,14 +107,16 @@ def for_request(block: LoweredBlock) -> LoweredBlock:
 
 
 def _vector(form: Form, scope: dict[str, Any], width: int, dtype: torch.dtype, device: Any) -> Any:
-    values = {}
+    values: dict[str, Any] = {}
     for name in form.names:
         value = scope.get(name)
-        if not (type(value) is torch.Tensor or type(value) in (int, float)):
+        if not (type(value) is torch.Tensor or type(value) in (int, float, torch.dtype, torch.device)):
             return None  # an unbound name, or anything whose arithmetic could be more than arithmetic
         values[name] = value
     if not any(isinstance(v, torch.Tensor) for v in values.values()):
         return None
+    if form.alias is not None:  # what ``.to(hidden)`` reads of the tap's value: its dtype and device
+        values[form.alias] = torch.empty(0, dtype=dtype, device=device)
     try:
         with torch.no_grad():
             vector = eval(compile(form.vector, "<steer>", "eval"), {"__builtins__": {}}, values)
@@ -125,8 +135,43 @@ def _vector(form: Form, scope: dict[str, Any], width: int, dtype: torch.dtype, d
 
 def _number(value: Any, scope: dict[str, Any]) -> int | None:
     if isinstance(value, Index):
-        value = scope.get(value.name)
+        value = _read(value, scope)
     return value if type(value) is int and value >= 0 else None
+
+
+_MISSING = object()
+
+
+def _read(index: Index, scope: dict[str, Any]) -> Any:
+    """What ``cfg.steps`` holds, found without running code of ``cfg``'s own."""
+    value = scope.get(index.name, _MISSING)
+    for name in index.attrs:
+        value = _plain_attribute(value, name)
+    return None if value is _MISSING else value
+
+
+def _plain_attribute(obj: Any, name: str) -> Any:
+    """``obj.name`` as Python finds it, where that is an attribute the object holds
+    or a plain value of its class; :data:`_MISSING` where finding it could run the
+    object's code (a property or other descriptor, ``__getattr__``, an overridden
+    ``__getattribute__``) or it is not there."""
+    if obj is _MISSING or name.startswith("__"):
+        return _MISSING
+    cls = type(obj)
+    lookup = inspect.getattr_static(cls, "__getattribute__", None)
+    if lookup is not object.__getattribute__ and cls is not types.SimpleNamespace:
+        return _MISSING  # (a namespace's own lookup is the generic one)
+    held = inspect.getattr_static(cls, name, _MISSING)
+    kind = type(held)
+    if held is not _MISSING and kind not in (int, float, bool, str, type(None)):
+        return _MISSING  # a descriptor, a method, or anything else the class defines
+    try:
+        own = object.__getattribute__(obj, "__dict__")
+    except AttributeError:
+        own = None
+    if type(own) is dict and name in own:
+        return own[name]
+    return held
 
 
 def _site(path: tuple, scope: dict[str, Any], model: Any) -> str | None:
@@ -142,7 +187,7 @@ def _site(path: tuple, scope: dict[str, Any], model: Any) -> str | None:
     parts = []
     for part in path[1:]:
         if isinstance(part, Index):
-            part = scope.get(part.name)
+            part = _read(part, scope)
             if type(part) is not int or part < 0:
                 return None
         parts.append(str(part))

@@ -358,10 +358,21 @@ class WorkerRuntime:
             nns.finish_erred(self.requests, sampled, eos)
             self._finish_refused(step, sampled, eos)
         if self.stops.tokens:
-            self.stops.drew(sampled, step.rows, step.discarded)
+            self.stops.drew(sampled, self._running(step.rows), step.discarded)
             self._lowered_drew(step, sampled)
         self.requests.record_saves()
         return sampled
+
+    def _running(self, rows: dict[str, int]) -> dict[str, int]:
+        """The rows of requests whose blocks may still run a step (a block that
+        finished its loop cannot see one more, so its samples need not be read)."""
+        tokens, requests = self.stops.tokens, self.requests.requests
+        running = {}
+        for request_id, row in rows.items():
+            request = requests.get(request_id) if request_id in tokens else None
+            if request is not None and any(m.alive or m.caches for m in request.workers()):
+                running[request_id] = row
+        return running
 
     def _lowered_drew(self, step: Step, sampled: Any) -> None:
         """Note what this step's lowered requests drew (read later: ``stops.py``).
