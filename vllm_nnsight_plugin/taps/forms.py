@@ -180,21 +180,28 @@ _EVERY_STEP_ROWS = (-1, 0)
 
 
 def _kept_row(node: ast.expr) -> tuple[tuple[tuple, int, bool], int] | None:
-    """One row of a new tensor holding a tap's output, each step: ``<tap>.output[0][-1].clone()``,
-    ``<tap>.output[0].clone()[-1]`` or ``(<tap>.output[0] + <tap>.output[1])[-1]`` (or ``[0]``)
-    -> (what :func:`_kept_value` gives, the row). Another row is not there on every step (a
+    """One row of a new tensor holding a tap's output, each step: ``<kept>[-1]`` or
+    ``<kept>[0]`` (see :func:`_indexed`). Another row is not there on every step (a
     decode step has one), so Python raises there: not lowered."""
+    found = _indexed(node)
+    if found is None or type(found[1]) is not int or found[1] not in _EVERY_STEP_ROWS:
+        return None
+    return found
+
+
+def _indexed(node: ast.expr) -> tuple[tuple[tuple, int, bool], Any] | None:
+    """Part of a new tensor holding a tap's output: ``<tap>.output[0][i].clone()``
+    (indexed, then copied) or ``<kept>[i]`` (copied, then indexed), with ``i`` a
+    constant index or slice -> (what :func:`_kept_value` gives, the index)."""
     if _is_clone(node) and isinstance(node.func.value, ast.Subscript):
-        indexed = node.func.value  # <output>[i].clone()
-        select, value = _int(indexed.slice), _tap_value(indexed.value)
+        indexed, part = node.func.value, _tap_value
     elif isinstance(node, ast.Subscript):
-        select = _int(node.slice)  # <copy>[i]
-        value = _kept_value(node.value)
+        indexed, part = node, _kept_value
     else:
         return None
-    if value is None or select not in _EVERY_STEP_ROWS:
-        return None
-    return value, select
+    select = _constant_index(indexed.slice)
+    value = None if select is None else part(indexed.value)
+    return None if value is None else (value, select)
 
 
 def _first_read(body: list[ast.stmt]) -> Form | None:
@@ -205,15 +212,11 @@ def _first_read(body: list[ast.stmt]) -> Form | None:
     kept, call = found
     node, select = call.func.value, None  # what ``.save()`` is called on
     value = _kept_value(node)
-    if value is None and _is_clone(node) and isinstance(node.func.value, ast.Subscript):
-        indexed = node.func.value  # <output>[i].clone(): indexed, then copied
-        select = _constant_index(indexed.slice)
-        value = None if select is None else _tap_value(indexed.value)
-    elif value is None and isinstance(node, ast.Subscript):
-        select = _constant_index(node.slice)  # <copy>[i]: copied, then indexed
-        value = None if select is None else _kept_value(node.value)
     if value is None:
-        return None
+        found = _indexed(node)
+        if found is None:
+            return None
+        value, select = found
     tap, code, whole = value
     if kept in _reads(tap, 0, 1):
         return None
