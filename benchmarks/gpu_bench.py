@@ -24,6 +24,8 @@ Engines (MODEL_DIR holds a config and tokenizer; weights are ``load_format="dumm
                   calls, the lens, the sweep)
 - ``profile-taps`` the same on the tapped engine (lowered capture and steering)
 
+``GPU_BENCH_LAYER`` and ``GPU_BENCH_PROMPT_LEN`` move the layer (18) and the prompt
+length (32), so that no figure depends on one setting.
 ``GPU_BENCH_REAL=1`` loads real weights (e.g. SmolLM2) instead of dummy ones;
 ``GPU_BENCH_SMALL=1`` shrinks everything for a dry run of the script on a CPU.
 
@@ -32,7 +34,8 @@ Jobs: ``plain`` 64 prompts x 128 tokens (repeated), ``plain1000`` 1,000 x 128,
 x 1 token, ``sweep`` the same in one trace, each invoke keeping one layer's last
 row (how activations are extracted for probes and SAEs), ``trace1`` one prompt,
 one token, saving the logits (latency), ``steer`` add a vector to one layer's
-output at every step (64 x 128), ``capture`` keep one layer's output for every
+output at every step (64 x 128), ``steer_docs`` the same as the user docs write it
+(the value named, a scale, a CPU vector moved with ``.to(hidden)``), ``capture`` keep one layer's output for every
 token (1,000 x 128; 64 x 128 for the anchors), ``prompt_read`` keep one layer's
 last prompt row, then generate (64 x 128), ``lens`` the logit lens over every
 layer for one prompt, one batched unembed (latency). On ``on-taps``,
@@ -59,6 +62,9 @@ from pathlib import Path
 
 PROMPT_LEN, TOKENS, CONCURRENT, MANY, SWEEP, WIDE = 32, 128, 64, 1000, 1024, 256
 LAYER = 18
+# Another layer and prompt length, so that no figure is tuned to one setting.
+LAYER = int(os.environ.get("GPU_BENCH_LAYER", LAYER))
+PROMPT_LEN = int(os.environ.get("GPU_BENCH_PROMPT_LEN", PROMPT_LEN))
 ENGINE = dict(
     load_format="dummy",
     dtype="bfloat16",
@@ -125,6 +131,18 @@ def steer(model, batch, tokens, vector) -> None:
             with tracer.invoke(ids):
                 for _ in tracer.iter[:tokens]:
                     layer.output[0][:] += vector  # the seeds' loop: the vector is on the device
+
+
+def steer_as_the_docs_write_it(model, batch, tokens, vector) -> None:
+    """The user docs' steering loop as written: the tap's value named, a scale, and
+    the client's float32 CPU vector moved to the value's dtype and device."""
+    layer = model.model.layers[LAYER]
+    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+        for ids in batch:
+            with tracer.invoke(ids):
+                for _ in tracer.iter[:tokens]:
+                    hidden = layer.output[0]
+                    hidden[:] += 1.0 * vector.to(hidden)
 
 
 def steer_tokens(model, batch, tokens, vector) -> list[list[int]]:
@@ -250,6 +268,7 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
     extra = {}
     if kind == "taps":  # graphs, with the benchmark's layer tapped
         extra = {"additional_config": {"nnsight_taps": [f"model.layers.{LAYER}.output"]}}
+    result(engine=name, job="setting", layer=LAYER, prompt_len=PROMPT_LEN)
     t0 = time.perf_counter()
     llm = LLM(path, enforce_eager=(kind == "eager"), **ENGINE, **extra)
     result(engine=name, job="startup", s=round(time.perf_counter() - t0, 1))
@@ -287,6 +306,11 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
         batch = unique(CONCURRENT)
         wall = timed(lambda batch=batch: steer(model, batch, TOKENS, vector))
         result(engine=name, job="steer", tok_s=round(CONCURRENT * TOKENS / wall, 1))
+    cpu_vector = vector.float().cpu()
+    for _ in range(repeats):
+        batch = unique(CONCURRENT)
+        wall = timed(lambda batch=batch: steer_as_the_docs_write_it(model, batch, TOKENS, cpu_vector))
+        result(engine=name, job="steer_docs", tok_s=round(CONCURRENT * TOKENS / wall, 1))
     if kind == "taps":
         (before,) = llm.collective_rpc("nnsight_stats")
         big = 100 * vector  # large enough to change greedy tokens

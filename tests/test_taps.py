@@ -496,11 +496,13 @@ def steer_as_python(model, vectors, layer=10, steps=5):
     return out if len(vectors) > 1 else [out]
 
 
-#: How far a log-probability moves when the same requests are batched otherwise:
-#: stock vLLM 0.32 on this CPU, three plain requests generated twelve times over,
-#: moved by up to 1.8e-5 from run to run (the front end hands requests to the
-#: engine one by one, so which share a step depends on timing).
-BATCHING_NOISE = 1e-4
+#: How far a log-probability moves when the same requests are batched otherwise
+#: (the front end hands requests to the engine one by one, so which share a step
+#: depends on timing), about four times what stock vLLM shows
+#: (``benchmarks/batching_noise.py``): up to 1.8e-5 with vLLM 0.32 on a CPU, and
+#: up to 2.5e-3 with vLLM 0.25.1 on an H200 (fp32, eager, either runner), whose
+#: kernels change with the batch's size.
+BATCHING_NOISE = 1e-2 if DEVICE == "cuda" else 1e-4
 
 
 def same_generation(got, want, exact: bool = True) -> None:
@@ -520,9 +522,8 @@ def same_generation(got, want, exact: bool = True) -> None:
                 assert got_step == want_step, f"request {i}, step {step}"
             else:
                 shared = got_step.keys() & want_step.keys()
-                assert all(abs(got_step[t] - want_step[t]) < BATCHING_NOISE for t in shared), (
-                    f"request {i}, step {step}"
-                )
+                gap = max((abs(got_step[t] - want_step[t]) for t in shared), default=0.0)
+                assert gap < BATCHING_NOISE, f"request {i}, step {step}: {gap:.3g}"
                 # A token in one top-k only must be a near-tie at its edge: within the
                 # tolerance of the other's lowest kept log-probability.
                 for token in got_step.keys() ^ want_step.keys():
