@@ -745,3 +745,41 @@ def test_a_request_that_samples_several_sequences_runs_as_python(smollm2_llm, sm
     assert sorted(map(list, (o.token_ids for o in out.outputs))) != sorted(
         map(list, (o.token_ids for o in plain.outputs))
     )  # the edit landed on the Python path
+
+
+def test_the_output_says_which_path_each_request_took_and_why(smollm2_llm, smol):
+    """On ``tracer.result`` and on the stock ``RequestOutput``: lowered, with its
+    form, or Python with the first reason; ``nnsight_stats`` counts the reasons."""
+    import vllm_nnsight_plugin
+
+    torch.manual_seed(5)
+    vector = torch.randn(576)
+    (before,) = smollm2_llm.collective_rpc("nnsight_stats")
+    with smol.trace(temperature=0.0, max_tokens=2) as tracer:
+        with tracer.invoke(PROMPT):
+            for _ in tracer.iter[:2]:
+                hidden = smol.model.layers[10].output[0]
+                hidden[:] += 1.0 * vector.to(hidden)
+            lowered = tracer.result.save()
+        with tracer.invoke(PROMPT):
+            for _ in tracer.iter[:2]:
+                act = smol.model.layers[3].mlp.act_fn.output
+                act[:] *= 1.0
+            python = tracer.result.save()
+    assert lowered.nnsight_path == {"lowered": True, "form": "steer", "reason": None}
+    assert python.nnsight_path == {
+        "lowered": False,
+        "form": None,
+        "reason": "it reads `model.model.layers.3.mlp.act_fn`, which is not a tap on this engine",
+    }
+    with smol.requests(PROMPT, temperature=0.0, max_tokens=2) as tracer:
+        kept = smol.model.layers[20].output[0][-1].clone().save()  # noqa: F841
+    plain = SamplingParams(temperature=0.0, max_tokens=2)
+    prepared = tracer.prepared
+    outs = smollm2_llm.generate(prepared.prompts + [PROMPT], prepared.params + [plain], use_tqdm=False)
+    assert tuple(vllm_nnsight_plugin.saves(outs[0])["kept"].shape) == (576,)
+    assert outs[0].nnsight_path == {"lowered": True, "form": "read", "reason": None}
+    assert not hasattr(outs[1], "nnsight_path")  # a plain request gets none of it
+    (after,) = smollm2_llm.collective_rpc("nnsight_stats")
+    assert after["python_blocks"] - before["python_blocks"] == 1
+    assert after["python_why"]["not_a_tap"] - before["python_why"].get("not_a_tap", 0) == 1

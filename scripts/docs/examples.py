@@ -1,7 +1,7 @@
 """Run every docs page's Python examples, keep what each printed and the pictures
 it drew, for the site (``mkdocs build`` puts the output under each example).
 
-    python scripts/docs/examples.py [PAGE.md ...]
+    python scripts/docs/examples.py [--paths FILE] [PAGE.md ...]
 
 - Pages run in the order of ``mkdocs.yml``'s nav (or the ones named), in one
   process, each in a namespace of its own, its blocks one after the other. A
@@ -15,6 +15,13 @@ it drew, for the site (``mkdocs build`` puts the output under each example).
   a CPU without bfloat16 units computes tens of times slower.
 - Writes ``docs/_outputs/<page>.json`` (each block's hash and output), and runs
   with ``docs/img/`` as the working directory, where pictures are saved.
+
+- With ``--paths FILE``: per example, how many of its traced requests ran
+  lowered onto the taps and, by reason, how many ran as Python (the shared
+  engine's ``nnsight_stats`` before and after it), written to FILE. Run with
+  ``VLLM_NNSIGHT_TAPS`` set, every engine a page builds without taps of its own
+  gets those: the docs' examples as written, on a tapped engine. Engines a page
+  builds in other processes (a server, the async engine) are not counted.
 
 The exit status is the number of pages that failed; each failure is printed
 with its traceback.
@@ -126,7 +133,29 @@ def float32_without_an_accelerator() -> None:
     EngineArgs.__post_init__ = __post_init__
 
 
-def run_page(name: str, engines: _Engines) -> bool:
+def _stats(engines: _Engines) -> dict | None:
+    """The shared engine's ``nnsight_stats`` (None without an engine or the plugin)."""
+    if engines.llm is None:
+        return None
+    try:
+        (stats,) = engines.llm.collective_rpc("nnsight_stats")
+    except Exception:
+        return None
+    return stats if isinstance(stats, dict) and "lowered" in stats else None
+
+
+def _paths(before: dict | None, after: dict | None) -> dict | None:
+    """What one example's traced requests did: lowered, and as Python by reason."""
+    if after is None:
+        return None
+    before = before or {}
+    lowered = after["lowered"] - before.get("lowered", 0)
+    was = before.get("python_why", {})
+    python = {k: n - was.get(k, 0) for k, n in sorted(after.get("python_why", {}).items()) if n > was.get(k, 0)}
+    return {"lowered": lowered, "python": python} if lowered or python else None
+
+
+def run_page(name: str, engines: _Engines, paths: dict | None = None) -> bool:
     text = (DOCS / name).read_text()
     found = blocks(text)
     code = "\n".join(found)
@@ -141,6 +170,7 @@ def run_page(name: str, engines: _Engines) -> bool:
         filename = f"<{name} example {number}>"
         # nnsight reads a with-block's body back from its source, as for any file.
         linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+        built, before = engines.built, _stats(engines) if paths is not None else None
         try:
             with contextlib.redirect_stdout(captured):
                 exec(compile(source, filename, "exec"), namespace)
@@ -148,6 +178,10 @@ def run_page(name: str, engines: _Engines) -> bool:
             print(f"FAILED {name}, example {number}:\n{traceback.format_exc()}", file=sys.stderr)
             ok = False
             break
+        if paths is not None:  # an engine built by this example counts from nothing
+            took = _paths(before if engines.built == built else None, _stats(engines))
+            if took is not None:
+                paths.setdefault(name, {})[str(number)] = took
         results.append({"sha": digest(source), "stdout": captured.getvalue()})
     OUTPUTS.mkdir(parents=True, exist_ok=True)
     target = OUTPUTS / (name[:-3] + ".json")
@@ -161,9 +195,29 @@ def run_page(name: str, engines: _Engines) -> bool:
     return ok
 
 
+def coverage(paths: dict) -> str:
+    """How many examples that work at module locations ran lowered throughout (a
+    block on the sampler's values alone runs as Python there and keeps the graphs,
+    so it is left out), and the same over their traced requests."""
+    examples = [took for page in paths.values() for took in page.values()]
+    python = [sum(n for k, n in took["python"].items() if k != "sampler") for took in examples]
+    at_modules = [(took["lowered"], p) for took, p in zip(examples, python) if took["lowered"] or p]
+    whole = sum(1 for lowered, p in at_modules if not p)
+    lowered = sum(lowered for lowered, _ in at_modules)
+    requests = lowered + sum(p for _, p in at_modules)
+    return (
+        f"{whole} of {len(at_modules)} examples at module locations lowered throughout "
+        f"({whole / max(len(at_modules), 1):.0%}); {lowered} of {requests} of their traced requests"
+    )
+
+
 def main(argv: list[str]) -> int:
     # vLLM's logs (and the engine processes') go to stderr, never into an example's output.
     os.environ["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"
+    target = None
+    if argv[:1] == ["--paths"]:
+        target, argv = Path(argv[1]).resolve(), argv[2:]
+    paths: dict | None = {} if target is not None else None
     pages = argv or nav_pages()
     IMAGES.mkdir(parents=True, exist_ok=True)
     os.chdir(IMAGES)
@@ -173,10 +227,13 @@ def main(argv: list[str]) -> int:
     failed = 0
     try:
         for name in pages:
-            failed += not run_page(name, engines)
+            failed += not run_page(name, engines, paths)
     finally:
         engines.close()
     print(f"{len(pages) - failed} of {len(pages)} pages ran; {engines.built} shared engines built")
+    if target is not None:
+        target.write_text(json.dumps(paths, indent=1, sort_keys=True) + "\n")
+        print(coverage(paths))
     return failed
 
 

@@ -69,12 +69,23 @@ class ServedOutput:
     nnsight_edit_saves: dict = field(default_factory=dict)
     nnsight_edit_sequences: list = field(default_factory=list)
     nnsight_error: dict | None = None
+    nnsight_path: dict | None = None
     finished: bool = True
 
     @property
     def saves(self) -> dict:
         """The installed edits' saves and the block's (the block's win a shared name)."""
         return {**self.nnsight_edit_saves, **self.nnsight_saves}
+
+
+def served_path(sent: Any) -> dict | None:
+    """The path a server says a request took, kept only in its documented shape."""
+    if not isinstance(sent, dict) or type(sent.get("lowered")) is not bool:
+        return None
+    texts = {key: sent.get(key) for key in ("form", "reason")}
+    if any(value is not None and not isinstance(value, str) for value in texts.values()):
+        return None
+    return {"lowered": sent["lowered"], **{k: v[:_MAX_ERROR_CHARS] if v else v for k, v in texts.items()}}
 
 
 def prompt_field(prompt: Any) -> str | list[int]:
@@ -177,6 +188,7 @@ class Server:
             nnsight_edit_saves=decoded.edits,
             nnsight_edit_sequences=decoded.edit_sequences,
             nnsight_error=self._sent(entries[0].get("error")),
+            nnsight_path=served_path(entries[0].get("path")),
         )
 
     def _sent(self, error: Any) -> dict | None:

@@ -11,7 +11,10 @@ user reads:
 - ``output.nnsight_saves`` and ``output.nnsight_edit_saves``: the block's alone,
   and the edits' alone;
 - ``output.outputs[i].saves``: the same as ``output.saves``, per sampled sequence;
-- ``output.nnsight_error``: the block's (or an edit's) error, or None.
+- ``output.nnsight_error``: the block's (or an edit's) error, or None;
+- ``output.nnsight_path``: whether the block ran on the tap tables, in the
+  compiled forward (``{"lowered": True, "form": "steer"}``), or as Python, and
+  the first reason why (``{"lowered": False, "reason": "..."}``).
 
 An output whose request carried no block and ran no edit gets none of these.
 
@@ -38,7 +41,7 @@ class BlockError(RuntimeError):
 def empty_entry() -> dict:
     """One request's reply from the workers, before anything is in it (``edits`` and
     ``edit_sequences``: what the installed edits saved, front end only)."""
-    return {"saves": {}, "error": None, "sequences": {}, "edits": {}, "edit_sequences": {}}
+    return {"saves": {}, "error": None, "sequences": {}, "edits": {}, "edit_sequences": {}, "path": None}
 
 
 def merge_replies(replies: list) -> dict:
@@ -79,6 +82,8 @@ def _merge(loaded: list, pools: dict) -> dict:
                 _first_copy(into["edit_sequences"].setdefault(index, {}), sequence.get("registered"), resolve)
             if into["error"] is None:
                 into["error"] = entry.get("error")
+            if into["path"] is None:
+                into["path"] = entry.get("path")
     return merged
 
 
@@ -96,6 +101,7 @@ def attach(output: Any, entry: dict) -> None:
     output.nnsight_saves = entry["saves"]
     output.nnsight_edit_saves = edits
     output.nnsight_error = entry["error"]
+    output.nnsight_path = entry.get("path")
     sequences = entry["sequences"]
     edit_sequences = entry.get("edit_sequences") or {}
     for completion in getattr(output, "outputs", None) or ():

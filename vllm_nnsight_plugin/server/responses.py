@@ -8,7 +8,7 @@ or ran installed edits (the async engine's ``generate`` seam fills it). If any
 did:
 
 - a JSON response gets an ``nnsight`` field: ``{"version": 1, "requests":
-  [{"request_id", "saves", "error"}, ...]}``, one entry per prompt in order,
+  [{"request_id", "saves", "error", "path"}, ...]}``, one entry per prompt in order,
   ``saves`` encoded by ``wire/saves.py``;
 - a block that raised turns the response into HTTP 422 ``NNsightBlockError``,
   with the block's error (type, message, traceback) in ``nnsight.error``;

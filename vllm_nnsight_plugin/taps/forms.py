@@ -497,3 +497,41 @@ def _of_alias(node: ast.expr, alias: str) -> bool:
     if isinstance(node, ast.Attribute) and node.attr in ("dtype", "device"):
         node = node.value
     return isinstance(node, ast.Name) and node.id == alias
+
+
+#: The parts of a module a block can name: what a block that names any other
+#: attribute does is not one of the forms, but these say where it works.
+_LOCATIONS = frozenset({"output", "input", "inputs"})
+
+
+@dataclass(frozen=True)
+class Outline:
+    """What a block that is not one of the forms touches, for saying why it runs as
+    Python: the locations it names, as (module path, ``output``/``input``/``inputs``),
+    each once, in the order found; whether it names the sampler's values, and whether it branches."""
+
+    locations: tuple[tuple, ...]
+    sampler: bool
+    branches: bool
+
+
+@functools.lru_cache(maxsize=1024)
+def outline(source: str) -> Outline | None:
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    locations: list[tuple] = []
+    sampler = branches = False
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.If, ast.While, ast.IfExp)):
+            branches = True
+        if not isinstance(node, ast.Attribute):
+            continue
+        if node.attr in _LOCATIONS:
+            path = _module_path(node.value)
+            if path is not None and (path, node.attr) not in locations:
+                locations.append((path, node.attr))
+        elif node.attr in ("logits", "samples") and isinstance(node.value, ast.Name):
+            sampler = True
+    return Outline(tuple(locations), sampler, branches)

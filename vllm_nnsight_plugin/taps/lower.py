@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from .forms import Form, Index, block_form
+from .forms import Form, Index, block_form, outline
 from .kept import Lowered
 
 
@@ -58,6 +58,22 @@ class LoweredBlock:
     vector: torch.Tensor | None
 
 
+@dataclass(frozen=True)
+class Unlowered:
+    """Why a block runs as Python: a short kind (counted in ``nnsight_stats``) and
+    the reason in words (on the request's output)."""
+
+    kind: str
+    reason: str
+
+
+_VECTOR = Unlowered(
+    "vector",
+    "its vector is not built from captured numbers and tensors into one tensor of the "
+    "tap's width, on the model's device, in the model's dtype or float32",
+)
+
+
 def lower(
     source: str | None,
     scope: dict[str, Any],
@@ -65,22 +81,30 @@ def lower(
     tracer_type: type,
     tables: Any,
     dtype: torch.dtype,
-) -> LoweredBlock | None:
-    """The lowered form of a block, or None when it must run as Python.
+) -> LoweredBlock | Unlowered:
+    """The lowered form of a block, or why it must run as Python.
 
     It depends on the block and the engine only, never on the request, so one
     result serves every request that carries the same block (see :func:`fits`).
     """
     form = block_form(source) if source else None
-    if form is None or (form.tracer is not None and not isinstance(scope.get(form.tracer), tracer_type)):
-        return None
+    if form is None:
+        return _not_a_form(source, scope, model, tables)
+    if form.tracer is not None and not isinstance(scope.get(form.tracer), tracer_type):
+        return Unlowered("form", f"`{form.tracer}` is not the trace's tracer")
     path = _site(form.tap, scope, model)
+    if path is None:
+        return Unlowered(
+            "form", f"`{_written(form.tap)}` is not a module of the model found by plain attributes"
+        )
     start, stop = _number(form.start, scope), _number(form.stop, scope)
-    if path is None or start is None or (form.stop is not None and stop is None):
-        return None
+    if start is None or (form.stop is not None and stop is None):
+        return Unlowered("form", "its steps are not whole numbers read without running code")
     site = tables.site_of.get(path)
-    if site is None or not tables.means(site, form.whole):
-        return None
+    if site is None:
+        return _not_a_tap(path)
+    if not tables.means(site, form.whole):
+        return Unlowered("form", f"it reads `model.{path}.output` other than as the tap's value")
     lowered = Lowered(site, start, stop, form.result)
     if form.code:
         lowered.code, lowered.name = form.code, form.kept
@@ -89,7 +113,44 @@ def lower(
             lowered.cache = f"{model.path}.{path}"  # the key nnsight's cache files it under
         return LoweredBlock(path, lowered, None)
     vector = _vector(form, scope, tables.hidden, dtype, tables.device)
-    return None if vector is None else LoweredBlock(path, lowered, vector)
+    return _VECTOR if vector is None else LoweredBlock(path, lowered, vector)
+
+
+def _not_a_tap(path: str) -> Unlowered:
+    return Unlowered("not_a_tap", f"it reads `model.{path}`, which is not a tap on this engine")
+
+
+def _not_a_form(source: str | None, scope: dict[str, Any], model: Any, tables: Any) -> Unlowered:
+    """The first reason a block that is none of the forms runs as Python."""
+    seen = outline(source) if source else None
+    if seen is None:
+        return Unlowered("form", "its source could not be read")
+    for module, _ in seen.locations:
+        path = _site(module, scope, model)
+        if path is not None and path not in tables.site_of:
+            return _not_a_tap(path)
+    if seen.branches:
+        return Unlowered("branch", "a Python `if` or `while` decides what it does")
+    if seen.sampler and not seen.locations:
+        return Unlowered(
+            "sampler", "it works on `model.logits` or `model.samples`, which run as Python at the sampler"
+        )
+    if len(seen.locations) > 1:
+        return Unlowered("form", "it works on more than one location in a step")
+    return Unlowered("form", "its statements are not one of the forms the taps run (see the taps page)")
+
+
+def _written(path: tuple) -> str:
+    """A module path as the block wrote it."""
+    text = str(path[0])
+    for part in path[1:]:
+        if isinstance(part, Index):
+            text += f"[{'.'.join((part.name, *part.attrs))}]"
+        elif isinstance(part, int):
+            text += f"[{part}]"
+        else:
+            text += f".{part}"
+    return text
 
 
 def fits(block: LoweredBlock, prompt_len: int) -> bool:

@@ -55,6 +55,7 @@ def encode_request(output: Any) -> dict:
         "request_id": output.request_id,
         "saves": base64.b64encode(buffer.getvalue()).decode("ascii"),
         "error": getattr(output, "nnsight_error", None),
+        "path": getattr(output, "nnsight_path", None),
     }
 
 

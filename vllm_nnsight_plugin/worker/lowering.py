@@ -14,6 +14,7 @@ from typing import Any
 
 from .. import seams
 from .errors import KeptRowsError
+from .paths import COPIES, NO_ROOM, OUT_OF_RANGE, SEQUENCES, SPECULATIVE, UNSIZED, Paths
 
 #: Stands in a lowered request's saves for its finished output (``tracer.result``)
 #: until the output is at hand.
@@ -43,6 +44,7 @@ class Lowering:
         #: block is lowered (the tables would apply it). Set with the worker's tree.
         self.reads_are_copies = False
         self.unloaded = 0  # requests lowered from a known block, never loaded
+        self.paths = Paths()
 
     def lower(
         self, request: Any, tables: Any, model: Any, rows: int, most: int, digest: bytes | None = None
@@ -50,7 +52,7 @@ class Lowering:
         """Put a request on the tap tables when its block is exactly a form they
         express; ``rows`` is how many token rows its first step has, ``most`` how
         many it can have (0: unknown); ``digest`` names its block's bytes."""
-        from ..taps.lower import for_request, lower
+        from ..taps.lower import Unlowered, for_request, lower
         from . import _nnsight as nns
 
         mediator = request.mediator
@@ -64,7 +66,8 @@ class Lowering:
             tables,
             seams.model_dtype(self.runner),
         )
-        if block is None:
+        if isinstance(block, Unlowered):
+            self.paths.python(request.id, block.kind, block.reason)
             return False
         if digest is not None:  # kept as built: each request adds its own copy
             self.known[digest] = block
@@ -86,29 +89,38 @@ class Lowering:
 
     def _may_lower(self, request: Any) -> bool:
         if request.copies or request.index != 0 or request.engine_id != request.stem:
-            return False  # registered copies, or a sequence of an n > 1 request
+            self.paths.python(request.id, *SEQUENCES)  # registered copies, or an n > 1 sequence
+            return False
         # Speculative decoding: a step's rows are then not the ones a block sees
         # step by step.
-        return not seams.speculates(self.runner)
+        if seams.speculates(self.runner):
+            self.paths.python(request.id, *SPECULATIVE)
+            return False
+        return True
 
     def _add(self, request: Any, tables: Any, block: Any, rows: int, most: int) -> bool:
         from ..taps.lower import fits
 
         lowered = block.lowered
-        if not fits(block, rows) or (not lowered.code and self.reads_are_copies):
-            return False
-        room = 0
-        if lowered.code:
-            room = (rows if lowered.single else most) * lowered.stride
-            if room <= 0:
-                return False
-        if not tables.add(request.id, lowered, block.vector, room):
+        why = None
+        room = (rows if lowered.single else most) * lowered.stride if lowered.code else 0
+        if not fits(block, rows):
+            why = OUT_OF_RANGE
+        elif not lowered.code and self.reads_are_copies:
+            why = COPIES
+        elif lowered.code and room <= 0:
+            why = UNSIZED
+        elif not tables.add(request.id, lowered, block.vector, room):
+            why = NO_ROOM
+        if why is not None:
+            self.paths.python(request.id, *why)
             return False
         request.mediator = None  # nothing of it runs as Python
         self.count += 1
         code, single = lowered.code, lowered.single
         form = "steer" if not code else "read" if single else "cache" if lowered.cache else "keep"
         self.by_form[form] += 1
+        self.paths.lowered(request.id, form)
         return True
 
     def forget(
@@ -154,7 +166,12 @@ class Lowering:
         return saved
 
     def stats(self) -> dict[str, Any]:
-        return {"lowered": self.count, "lowered_by": dict(self.by_form), "lowered_unloaded": self.unloaded}
+        return {
+            "lowered": self.count,
+            "lowered_by": dict(self.by_form),
+            "lowered_unloaded": self.unloaded,
+            **self.paths.stats(),
+        }
 
 
 def _overflow(lowered: Any, request_id: str) -> Exception:

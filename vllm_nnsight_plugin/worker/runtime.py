@@ -46,6 +46,7 @@ from ..wire.references import envoy_references
 from .budget import watchdogs
 from .edits import marked
 from .lowering import OUTPUT, Lowering
+from .paths import CHUNKED, EDITED, FAILED, NO_TAPS
 from .refusals import refuse_chunked
 from .resume import SITTING_OUT, narrow, recompute_spans, refuse_resumed
 from .step import Phase, Step
@@ -181,6 +182,9 @@ class WorkerRuntime:
             # never lowered, nor is a request whose edits run as Python anyway.
             if tables is None or edited or not seams.whole_prompt_scheduled(data, scheduler_output):
                 admit(requests, self.index, data, self.persistent, self.limits, self.model)
+                if data.req_id in requests.requests:
+                    why = NO_TAPS if tables is None else EDITED if edited else CHUNKED
+                    self.lowering.paths.python(data.req_id, *why)
                 continue
             rows = seams.scheduled_rows(data, scheduler_output)
             limit = getattr(data.sampling_params, "max_tokens", None)
@@ -197,13 +201,13 @@ class WorkerRuntime:
             if data.req_id in requests.requests and data.req_id not in self.stops.tokens:
                 self.stops.admit(data.req_id, data.sampling_params)
 
-    @staticmethod
-    def _lower(how: Any, request: Any, *args: Any) -> bool:
+    def _lower(self, how: Any, request: Any, *args: Any) -> bool:
         """Lowering is an optimisation: where it fails, the block runs as Python."""
         try:
             return how(request, *args)
         except Exception:
             logger.exception("vllm-nnsight: could not lower request %s", request.id)
+            self.lowering.paths.python(request.id, *FAILED)
             return False
 
     @property
@@ -416,6 +420,10 @@ class WorkerRuntime:
         from .collect import pack, pool_part, synchronize_device, wind_up
 
         finished = pickle.loads(outputs) if outputs else None
+        paths = {rid: self.lowering.paths.take(self.index.answering(rid)) for rid in request_ids}
+        for rid, path in paths.items():  # on the output that ``tracer.result`` serves, too
+            if path is not None and finished and rid in finished:
+                finished[rid].nnsight_path = path
         self.stops.settle()
         lowered = self.lowering.forget(
             self.tables, self.index, self.requests, request_ids, self.stops.counted
@@ -432,7 +440,11 @@ class WorkerRuntime:
                             continue
                         value = finished[engine_id]
                     entries[engine_id]["saves"][name] = value
+        for rid, path in paths.items():
+            if path is not None and rid in entries:
+                entries[rid]["path"] = path
         self.uncollected.forget(self.requests.requests)
+        self.lowering.paths.keep_only(self.requests.requests)
         self.recomputing.intersection_update(self.requests.requests)
         self.stops.keep_only(self.requests.requests)
         if any(entry.get("saves") or entry.get("sequences") for entry in entries.values()):

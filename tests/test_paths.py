@@ -1,0 +1,124 @@
+"""Which path a traced request takes, and the first reason it runs as Python:
+the reasons worked out from a block and the engine's taps, the worker's record,
+and its way onto the output. No engine here: ``test_taps.py`` has the engine's."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_nnsight_plugin.returns.outputs import attach, empty_entry, merge_replies
+from vllm_nnsight_plugin.taps.lower import LoweredBlock, Unlowered, lower
+from vllm_nnsight_plugin.worker.paths import EDITED, NO_TAPS, Paths
+
+
+class Model:
+    path = "model"
+
+
+class Tracer:
+    pass
+
+
+class Tables:
+    """What ``lower`` asks of the tap tables: which module paths are taps."""
+
+    site_of = {"model.layers.10": 0}
+    hidden = 8
+    device = torch.device("cpu")
+
+    def means(self, site, whole):
+        return not whole
+
+
+def why(source: str, **scope) -> Unlowered | LoweredBlock:
+    model = Model()
+    return lower(
+        source, {"model": model, "tracer": Tracer(), **scope}, model, Tracer, Tables(), torch.float32
+    )
+
+
+def test_a_block_on_a_location_that_is_not_a_tap_says_which():
+    got = why("for _ in tracer.iter[:3]:\n    h = model.model.layers[3].mlp.act_fn.output\n    h[:] *= 0\n")
+    assert got == Unlowered(
+        "not_a_tap", "it reads `model.model.layers.3.mlp.act_fn`, which is not a tap on this engine"
+    )
+    # One of the forms, on a layer that is not a tap: the same reason.
+    got = why("for _ in tracer.iter[:3]:\n    model.model.layers[4].output[0][:] += v\n", v=torch.ones(8))
+    assert got.kind == "not_a_tap" and "`model.model.layers.4`" in got.reason
+
+
+def test_a_branch_the_sampler_and_several_locations_are_told_apart():
+    tap = "model.model.layers[10].output[0]"
+    assert (
+        why(f"for _ in tracer.iter[:3]:\n    h = {tap}\n    if h.norm() > 1:\n        h[:] *= 0.5\n").kind
+        == "branch"
+    )
+    assert why("for _ in tracer.iter[:3]:\n    model.logits[:, 5] = 0\n").kind == "sampler"
+    two = f"for _ in tracer.iter[:3]:\n    a = {tap}.clone().save()\n    b = model.model.layers[10].input.save()\n"
+    assert why(two).reason == "it works on more than one location in a step"
+    assert why(f"x = {tap}.sum().save()\n").reason.startswith("its statements are not one of the forms")
+
+
+def test_a_form_whose_values_do_not_fit_says_why():
+    steer = "for _ in tracer.iter[:steps]:\n    model.model.layers[10].output[0][:] += v\n"
+    assert isinstance(why(steer, v=torch.ones(8), steps=3), LoweredBlock)
+    assert why(steer, v=torch.ones(7), steps=3).kind == "vector"  # not the tap's width
+    assert (
+        why(steer, v=torch.ones(8), steps=2.5).reason
+        == "its steps are not whole numbers read without running code"
+    )
+    assert (
+        why(steer.replace("tracer.iter", "other.iter"), v=torch.ones(8), steps=3, other=object()).kind
+        == "form"
+    )
+
+
+def test_the_first_reason_stands_and_each_request_is_counted_once():
+    paths = Paths()
+    paths.python("a", *EDITED)
+    paths.python("a", *NO_TAPS)
+    paths.lowered("b", "steer")
+    paths.python("c", *NO_TAPS)
+    assert paths.stats() == {"python_blocks": 2, "python_why": {"edits": 1, "no_taps": 1}}
+    assert paths.take(["a-0", "a"]) == {"lowered": False, "form": None, "reason": EDITED[1]}
+    assert paths.take(["a"]) is None  # taken once
+    assert paths.take(["b"]) == {"lowered": True, "form": "steer", "reason": None}
+    paths.keep_only({"d"})
+    assert paths.taken == {}
+
+
+def test_the_path_reaches_the_output_from_the_first_rank_that_has_one():
+    import pickle
+
+    lowered = {"lowered": True, "form": "keep", "reason": None}
+    replies = [
+        [pickle.dumps({"r": {**empty_entry(), "path": None}})],
+        [pickle.dumps({"r": {"path": lowered}})],
+    ]
+    merged = merge_replies(replies)
+    assert merged["r"]["path"] == lowered
+
+    class Output:
+        outputs = ()
+
+    output = Output()
+    attach(output, merged["r"])
+    assert output.nnsight_path == lowered
+    attach(output, {**empty_entry()})
+    assert output.nnsight_path is None
+
+
+def test_a_servers_path_is_kept_only_in_its_documented_shape():
+    from vllm_nnsight_plugin.client.remote import served_path
+
+    sent = {"lowered": False, "form": None, "reason": "it reads `model.x`, which is not a tap on this engine"}
+    assert served_path(sent) == sent
+    assert served_path({"lowered": True, "form": "steer", "reason": None, "extra": 1}) == {
+        "lowered": True,
+        "form": "steer",
+        "reason": None,
+    }
+    assert served_path({"lowered": 1, "form": "steer"}) is None  # not a bool
+    assert served_path({"lowered": False, "reason": {"x": 1}}) is None
+    assert served_path("lowered") is None and served_path(None) is None
+    assert len(served_path({"lowered": False, "reason": "x" * 10**6})["reason"]) == 20_000
