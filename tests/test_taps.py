@@ -175,7 +175,7 @@ def test_a_vector_moved_to_the_taps_value_is_worked_out_as_the_block_would():
         "for _ in tracer.iter[:3]:\n    layer.output[1][:] += v\n",
         "for _ in tracer.iter[:3]:\n    layer.output[0][:] -= v\n",
         "for _ in tracer.iter[-2:]:\n    layer.output[0][:] += v\n",
-        "layer.output[0][:] += v\n",  # the body: the first step only, as Python
+        "layer.output[0][-1] += v\n",  # the first step only, on one row
     ],
 )
 def test_anything_else_runs_as_python(source):
@@ -783,3 +783,87 @@ def test_the_output_says_which_path_each_request_took_and_why(smollm2_llm, smol)
     (after,) = smollm2_llm.collective_rpc("nnsight_stats")
     assert after["python_blocks"] - before["python_blocks"] == 1
     assert after["python_why"]["not_a_tap"] - before["python_why"].get("not_a_tap", 0) == 1
+
+
+def test_a_steering_loop_beside_what_the_sampler_serves_is_split_and_equals_python(smollm2_llm, smol):
+    """The edit runs on the tap in the forward, the reads of the samples and the
+    result as Python at the sampler: the same tokens, draws and log-probabilities
+    as the whole block run as Python."""
+    torch.manual_seed(6)
+    vector = torch.randn(576)
+
+    def split_block():
+        with smol.trace(PROMPT, temperature=0.0, max_tokens=5, logprobs=3) as tracer:
+            drawn = list().save()
+            for _ in tracer.iter[:5]:
+                hidden = smol.model.layers[10].output[0]
+                hidden[:] += 6.0 * vector.to(hidden)
+                drawn.append(smol.samples.item())
+            out = tracer.result.save()
+        return drawn, out
+
+    def python_block():
+        with smol.trace(PROMPT, temperature=0.0, max_tokens=5, logprobs=3) as tracer:
+            drawn = list().save()
+            for _ in tracer.iter[:5]:
+                hidden = smol.model.layers[10].output[0]
+                hidden[:] = hidden + 6.0 * vector.to(hidden)
+                drawn.append(smol.samples.item())
+            out = tracer.result.save()
+        return drawn, out
+
+    before = lowered_count(smollm2_llm)
+    got_drawn, got = split_block()
+    assert lowered_count(smollm2_llm) - before == 1
+    want_drawn, want = python_block()
+    assert lowered_count(smollm2_llm) - before == 1
+    assert got.nnsight_path == {"lowered": True, "form": "steer, Python at the sampler", "reason": None}
+    assert want.nnsight_path["lowered"] is False
+    same_generation([got], [want])
+    assert got_drawn == want_drawn == list(got.outputs[0].token_ids)
+    plain = smollm2_llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)
+    assert list(plain[0].outputs[0].token_ids) != got_drawn  # it steered
+
+
+def test_a_first_step_edit_beside_a_read_of_the_logits_is_split_and_equals_python(smollm2_llm, smol):
+    torch.manual_seed(7)
+    vector = torch.randn(576)
+    before = lowered_count(smollm2_llm)
+    with smol.trace(PROMPT, temperature=0.0, max_tokens=2) as tracer:
+        hidden = smol.model.layers[20].output[0]
+        hidden[:] += 4.0 * vector.to(hidden)
+        got = smol.logits.clone().save()
+        got_out = tracer.result.save()
+    assert lowered_count(smollm2_llm) - before == 1
+    with smol.trace(PROMPT, temperature=0.0, max_tokens=2) as tracer:
+        hidden = smol.model.layers[20].output[0]
+        hidden[:] = hidden + 4.0 * vector.to(hidden)
+        want = smol.logits.clone().save()
+        want_out = tracer.result.save()
+    assert lowered_count(smollm2_llm) - before == 1
+    assert torch.equal(got, want)
+    assert list(got_out.outputs[0].token_ids) == list(want_out.outputs[0].token_ids)
+    with smol.trace(PROMPT, temperature=0.0, max_tokens=1):
+        plain = smol.logits.clone().save()
+    assert not torch.equal(plain, got)  # it edited
+
+
+def test_a_keep_beside_the_samples_is_split_and_keeps_what_python_keeps(smollm2_llm, smol):
+    before = lowered_count(smollm2_llm)
+    with smol.trace(PROMPT, temperature=0.0, max_tokens=4) as tracer:
+        rows = list().save()
+        drawn = list().save()
+        for _ in tracer.iter[:4]:
+            rows.append(smol.model.layers[10].output[0][-1].clone())
+            drawn.append(smol.samples.item())
+    assert lowered_count(smollm2_llm) - before == 1
+    with smol.trace(PROMPT, temperature=0.0, max_tokens=4) as tracer:
+        python_rows = list().save()
+        python_drawn = list().save()
+        for _ in tracer.iter[:4]:
+            hidden = smol.model.layers[10].output[0]
+            python_rows.append(hidden[-1].clone())
+            python_drawn.append(smol.samples.item())
+    assert lowered_count(smollm2_llm) - before == 1
+    assert drawn == python_drawn and len(rows) == len(python_rows) == 4
+    assert all(torch.equal(a, b) for a, b in zip(rows, python_rows))

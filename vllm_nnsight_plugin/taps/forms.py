@@ -10,6 +10,9 @@ statement; anything else, down to one more statement, runs as Python:
         hidden = <tap>.output[0]
         hidden[:] += <vector>           # or hidden += <vector>
 
+    hidden = <tap>.output[0]            # either, with no loop: the first step only
+    hidden[:] += <vector>
+
     rows = list().save()                # keeping a tap's rows every step
     for _ in tracer.iter[a:b]:
         rows.append(<kept>)             # or one row of them: <kept>[-1], <kept>[0]
@@ -31,11 +34,16 @@ moved with ``.to(...)`` to a captured dtype, device or tensor, or to the tap's
 own (``.to(hidden)``, ``.to(hidden.dtype)``, ``.to(hidden.device)``, where
 ``hidden`` names the tap's value). Forms are cached per source; what the names
 hold is checked at admission (``lower.py``).
+
+A block that is none of these may still be one of them beside statements on what
+the sampler serves (``split``): the first part is lowered, the rest runs as
+Python at the sampler.
 """
 
 from __future__ import annotations
 
 import ast
+import builtins
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +51,7 @@ from typing import Any
 from .ops import KEEP_BOTH, KEEP_FIRST, KEEP_SECOND, KEEP_SUM
 
 _ARITHMETIC = (ast.Add, ast.Sub, ast.Mult, ast.Div)
+_COMPOUND = (ast.For, ast.AsyncFor, ast.While, ast.If, ast.With, ast.AsyncWith, ast.Try)
 
 
 @dataclass(frozen=True)
@@ -104,12 +113,13 @@ def block_form(source: str) -> Form | None:
 
 
 def _steering(body: list[ast.stmt]) -> Form | None:
-    if len(body) != 1:
+    loop = _loop(body[0], 2) if len(body) == 1 else None
+    if loop is not None:
+        tracer, start, stop, target, statements = loop
+    elif 1 <= len(body) <= 2 and not any(isinstance(s, _COMPOUND) for s in body):
+        tracer, start, stop, target, statements = None, 0, 1, None, body  # the first step only
+    else:
         return None
-    loop = _loop(body[0], 2)
-    if loop is None:
-        return None
-    tracer, start, stop, target, statements = loop
     alias = None
     if len(statements) == 2:  # hidden = <tap>.output[0]; hidden[:] += <vector>
         alias, edit = _assigned(statements[0]), statements[1]
@@ -535,3 +545,173 @@ def outline(source: str) -> Outline | None:
         elif node.attr in ("logits", "samples") and isinstance(node.value, ast.Name):
             sampler = True
     return Outline(tuple(locations), sampler, branches)
+
+
+@dataclass(frozen=True)
+class Split:
+    """A block in two parts: ``taps``, its statements on locations, and ``rest``,
+    every other statement (on ``model.logits``, ``model.samples``,
+    ``tracer.result``, or plain values), each keeping its loops. When ``taps`` is
+    one of the forms, it runs on the tables and ``rest`` as Python at the sampler,
+    which runs outside the compiled forward: the block computes what it computes
+    whole, because a step's forward comes before its sampler either way and no
+    value passes between the parts."""
+
+    taps: str
+    rest: str
+
+
+_BUILTINS = frozenset(dir(builtins))
+#: What a statement of the rest may wait for: the sampler's values, the run's steps.
+_RUN = frozenset({"logits", "samples", "result", "stop", "iter", "all", "next", "cache", "invoke"})
+
+
+@functools.lru_cache(maxsize=1024)
+def split(source: str) -> Split | None:
+    """The two parts of a block, or None where it has no such split: every
+    statement on a location comes before every statement of the rest that waits
+    on the run (in Python's order), in the same loops, and no name one part binds
+    is used by the other."""
+    try:
+        body = ast.parse(source).body
+    except SyntaxError:
+        return None
+    taps: list[tuple[int, ast.stmt]] = []
+    rest: list[tuple[int, ast.stmt]] = []
+    bound: set[str] = set()  # names the statements on locations bind (aliases, lists)
+    waited = False  # a statement of the rest that waits on the run has come
+    gone: list[ast.stmt] = []  # what leaves the source for the rest
+    for at, node in enumerate(body):
+        if isinstance(node, ast.For) and not node.orelse and _steps(node.iter) is not None:
+            on, off = [], []
+            for statement in node.body:
+                if _on_location(statement, bound):
+                    if off or waited:
+                        return None
+                    on.append(statement)
+                    bound |= _binds(statement)
+                else:
+                    off.append(statement)
+            if on:
+                taps.append((at, _with_body(node, on)))
+                gone.extend(on if off else [node])
+            if off:
+                rest.append((at, _with_body(node, off)))
+                waited = True
+        elif _on_location(node, bound):
+            if waited:
+                return None
+            taps.append((at, node))
+            gone.append(node)
+            bound |= _binds(node)
+        else:
+            rest.append((at, node))
+            waited = waited or _waits(node)
+    # A list the statements on locations fill is declared with them.
+    declared = [(at, n) for at, n in rest if _assigned(n) in bound and _is_empty_list_saved(n.value)]
+    rest = [(at, n) for at, n in rest if (at, n) not in declared]
+    gone.extend(n for _, n in declared)
+    taps = sorted(taps + declared, key=lambda pair: pair[0])
+    if not taps or not rest:
+        return None
+    on_nodes, off_nodes = [n for _, n in taps], [n for _, n in rest]
+    if any(isinstance(n, (ast.With, ast.AsyncWith)) for node in off_nodes for n in ast.walk(node)):
+        return None  # an invoke or another block inside: not a sampler statement
+    # Both parts may use the roots of module paths and step loops (``model``,
+    # ``tracer``) and what a loop's steps read, to name different things.
+    shared = (
+        _roots(on_nodes)
+        | _BUILTINS
+        | {
+            n.id
+            for node in body
+            if isinstance(node, ast.For)
+            for n in ast.walk(node.iter)
+            if isinstance(n, ast.Name)
+        }
+    )
+    used_on = _names(on_nodes) - shared
+    used_off, bound_off = _names(off_nodes) - (shared - bound), _stored(off_nodes)
+    if used_off & (bound | used_on) or bound_off & (_names(on_nodes) | bound):
+        return None
+    rest_source = _without(source, gone, off_nodes)
+    return None if rest_source is None else Split(_unparse(on_nodes), rest_source)
+
+
+def _on_location(node: ast.stmt, bound: set[str]) -> bool:
+    """A statement that names a module location, or a name bound from one."""
+    for n in ast.walk(node):
+        if isinstance(n, ast.Attribute) and n.attr in (*_LOCATIONS, "source"):
+            return True
+        if isinstance(n, ast.Name) and n.id in bound:
+            return True
+    return False
+
+
+def _waits(node: ast.stmt) -> bool:
+    return any(isinstance(n, ast.Attribute) and n.attr in _RUN for n in ast.walk(node))
+
+
+def _binds(node: ast.stmt) -> set[str]:
+    """The names a statement binds, or fills (``rows.append(...)``)."""
+    names = _stored([node])
+    call = node.value if isinstance(node, ast.Expr) else None
+    if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "append":
+        if isinstance(call.func.value, ast.Name):
+            names.add(call.func.value.id)
+    return names
+
+
+def _stored(nodes: list[ast.stmt]) -> set[str]:
+    return {
+        n.id
+        for node in nodes
+        for n in ast.walk(node)
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+    }
+
+
+def _names(nodes: list[ast.stmt]) -> set[str]:
+    return {
+        n.id
+        for node in nodes
+        for n in ast.walk(node)
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+    }
+
+
+def _roots(nodes: list[ast.stmt]) -> set[str]:
+    """The names module paths and step loops start from (``model``, ``tracer``)."""
+    roots: set[str] = set()
+    for node in nodes:
+        for n in ast.walk(node):
+            if isinstance(n, ast.Attribute) and n.attr in (*_LOCATIONS, "iter", "all"):
+                path = _module_path(n.value)
+                if path is not None:
+                    roots.add(path[0])
+    return roots
+
+
+def _with_body(loop: ast.For, body: list[ast.stmt]) -> ast.For:
+    return ast.For(target=loop.target, iter=loop.iter, body=body, orelse=[], lineno=loop.lineno)
+
+
+def _without(source: str, gone: list[ast.stmt], kept: list[ast.stmt]) -> str | None:
+    """``source`` with the lines of the ``gone`` statements blanked, so that the rest
+    keeps its line numbers (a traceback points where the user wrote it); None where
+    a line holds statements of both parts."""
+    blank = {line for node in gone for line in range(node.lineno - 1, node.end_lineno)}
+    for node in kept:
+        for statement in node.body if isinstance(node, ast.For) else [node]:
+            if blank & set(range(statement.lineno - 1, statement.end_lineno)):
+                return None
+        if isinstance(node, ast.For) and node.lineno - 1 in blank:
+            return None
+    lines = source.splitlines(keepends=True)
+    return "".join("\n" if i in blank else line for i, line in enumerate(lines))
+
+
+def _unparse(nodes: list[ast.stmt]) -> str:
+    module = ast.Module(body=nodes, type_ignores=[])
+    ast.fix_missing_locations(module)
+    return ast.unparse(module) + "\n"

@@ -102,6 +102,7 @@ __all__ = [
     "still_running",
     "time_switches",
     "saves_tracked",
+    "with_source",
 ]
 
 #: ``(module, attribute path)`` of every nnsight name this module relies on that
@@ -262,6 +263,16 @@ class _BlockUnpickler(CustomCloudUnpickler):
         if module == Mediator.__module__ and name == Mediator.__name__:
             return _SharedCodeMediator
         return super().find_class(module, name)
+
+
+def with_source(mediator: Any, source: str) -> Any:
+    """The same block running ``source`` (part of its own) against the same captured
+    values: the statements left to Python when the rest runs on the taps."""
+    rebuilt = _SharedCodeMediator.__new__(_SharedCodeMediator)
+    Mediator.__init__(rebuilt, _compiled(source), mediator.glbls, dict(mediator.lcls), copy=mediator.copy)
+    rebuilt.presaved = set(getattr(mediator, "presaved", ()))
+    rebuilt.source = source
+    return rebuilt
 
 
 def load_block(data: bytes, persistent: dict) -> Any:

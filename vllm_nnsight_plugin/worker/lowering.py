@@ -45,6 +45,8 @@ class Lowering:
         self.reads_are_copies = False
         self.unloaded = 0  # requests lowered from a known block, never loaded
         self.paths = Paths()
+        #: Lowered requests with statements left to Python at the sampler.
+        self.mixed: set[str] = set()
 
     def lower(
         self, request: Any, tables: Any, model: Any, rows: int, most: int, digest: bytes | None = None
@@ -67,8 +69,13 @@ class Lowering:
             seams.model_dtype(self.runner),
         )
         if isinstance(block, Unlowered):
-            self.paths.python(request.id, block.kind, block.reason)
-            return False
+            rest = self._split(request, tables, model, block)
+            if rest is None:
+                return False
+            block, rest_mediator = rest
+            if not self._add(request, tables, for_request(block), rows, most, rest_mediator):
+                return False
+            return True
         if digest is not None:  # kept as built: each request adds its own copy
             self.known[digest] = block
             while len(self.known) > _KNOWN_LIMIT:
@@ -87,6 +94,31 @@ class Lowering:
         self.unloaded += added
         return added
 
+    def _split(self, request: Any, tables: Any, model: Any, why: Any) -> tuple[Any, Any] | None:
+        """A block whose statements on taps are one of the forms, beside statements
+        the sampler serves: the first part lowered, the rest left to Python there
+        (``taps.forms.split``). None, with ``why`` recorded, where it has no such split."""
+        from ..taps.forms import split
+        from ..taps.lower import Unlowered, lower
+        from . import _nnsight as nns
+        from .admit import read
+
+        mediator = request.mediator
+        source, scope = nns.block_source(mediator), nns.block_scope(mediator)
+        parts = split(source) if source else None
+        block = None
+        if parts is not None:
+            block = lower(parts.taps, scope, model, nns.InterleavingTracer, tables, seams.model_dtype(self.runner))
+        if parts is None or isinstance(block, Unlowered):
+            self.paths.python(request.id, why.kind, why.reason)
+            return None
+        rest = nns.with_source(mediator, parts.rest)
+        read(rest, model)
+        if rest.needs_forward:  # the rest reaches the model after all
+            self.paths.python(request.id, why.kind, why.reason)
+            return None
+        return block, rest
+
     def _may_lower(self, request: Any) -> bool:
         if request.copies or request.index != 0 or request.engine_id != request.stem:
             self.paths.python(request.id, *SEQUENCES)  # registered copies, or an n > 1 sequence
@@ -98,7 +130,9 @@ class Lowering:
             return False
         return True
 
-    def _add(self, request: Any, tables: Any, block: Any, rows: int, most: int) -> bool:
+    def _add(self, request: Any, tables: Any, block: Any, rows: int, most: int, rest: Any = None) -> bool:
+        """Put a request on the tables; ``rest``: the mediator of its statements left
+        to Python at the sampler, which replaces its own (None: nothing is left)."""
         from ..taps.lower import fits
 
         lowered = block.lowered
@@ -115,12 +149,14 @@ class Lowering:
         if why is not None:
             self.paths.python(request.id, *why)
             return False
-        request.mediator = None  # nothing of it runs as Python
+        request.mediator = rest  # None: nothing of it runs as Python
+        if rest is not None:
+            self.mixed.add(request.id)
         self.count += 1
         code, single = lowered.code, lowered.single
         form = "steer" if not code else "read" if single else "cache" if lowered.cache else "keep"
         self.by_form[form] += 1
-        self.paths.lowered(request.id, form)
+        self.paths.lowered(request.id, form if rest is None else f"{form}, Python at the sampler")
         return True
 
     def forget(
@@ -141,6 +177,7 @@ class Lowering:
                 taken = tables.forget(internal)
                 if taken is None:
                     continue
+                self.mixed.discard(internal)
                 lowered, steps = taken
                 steps = min(steps, (counted or {}).get(internal, steps))
                 request = requests.requests.get(internal)

@@ -249,7 +249,11 @@ class WorkerRuntime:
         """Every tracked request runs on the tap tables (a check that costs nothing
         per request; a lowered request's error is only ever set at collect)."""
         tables = self.tables
-        return tables is not None and len(tables.requests) == len(self.requests.requests)
+        return (
+            tables is not None
+            and not self.lowering.mixed
+            and len(tables.requests) == len(self.requests.requests)
+        )
 
     def abandon_step(self) -> None:
         """The step raised: close the interleaver so nothing leaks into the next."""
@@ -445,6 +449,7 @@ class WorkerRuntime:
                 entries[rid]["path"] = path
         self.uncollected.forget(self.requests.requests)
         self.lowering.paths.keep_only(self.requests.requests)
+        self.lowering.mixed.intersection_update(self.requests.requests)
         self.recomputing.intersection_update(self.requests.requests)
         self.stops.keep_only(self.requests.requests)
         if any(entry.get("saves") or entry.get("sequences") for entry in entries.values()):
