@@ -86,6 +86,8 @@ def test_the_first_step_steering_form_edits_step_zero_only():
         "x = model.logits.save()\n",
         # one line holding statements of both parts
         "layer.output[0][:] += v; x = model.logits.save()\n",
+        # the sampler's part leaves the loop early, which would end the edit too
+        "for _ in tracer.iter[:9]:\n    layer.output[0][:] += v\n    if model.samples.item() == 2:\n        break\n",
         # an invoke inside
         "layer.output[0][:] += v\nwith tracer.invoke('x'):\n    y = model.logits.save()\n",
     ],

@@ -617,6 +617,8 @@ def split(source: str) -> Split | None:
     on_nodes, off_nodes = [n for _, n in taps], [n for _, n in rest]
     if any(isinstance(n, (ast.With, ast.AsyncWith)) for node in off_nodes for n in ast.walk(node)):
         return None  # an invoke or another block inside: not a sampler statement
+    if any(isinstance(n, ast.Break) for node in off_nodes for n in ast.walk(node)):
+        return None  # leaving a loop early would end the edits too: the tables would not
     # Both parts may use the roots of module paths and step loops (``model``,
     # ``tracer``) and what a loop's steps read, to name different things.
     shared = (
