@@ -61,6 +61,14 @@ def test_a_block_splits_into_a_form_on_taps_and_statements_at_the_sampler(source
     assert block_form(parts.taps) is not None
 
 
+def test_the_result_may_follow_a_loop_gone_whole_to_the_taps():
+    """``tracer.result`` is the finished output whenever it is read."""
+    source = "drawn = model.samples.save()\nfor _ in tracer.iter[:3]:\n    layer.output[0][:] += v\n"
+    assert split(source) is None  # the sampler first: not Python's order
+    parts = split("for _ in tracer.iter[:3]:\n    layer.output[0][:] += v\nout = tracer.result.save()\n")
+    assert parts is not None and parts.rest == "\n\nout = tracer.result.save()\n"
+
+
 def test_the_first_step_steering_form_edits_step_zero_only():
     form = block_form("hidden = layer.output[0]\nhidden[:] += 2.0 * v\n")
     assert form is not None and (form.start, form.stop, form.tracer) == (0, 1, None)
@@ -88,6 +96,10 @@ def test_the_first_step_steering_form_edits_step_zero_only():
         "layer.output[0][:] += v; x = model.logits.save()\n",
         # the sampler's part leaves the loop early, which would end the edit too
         "for _ in tracer.iter[:9]:\n    layer.output[0][:] += v\n    if model.samples.item() == 2:\n        break\n",
+        # after a loop gone whole to the taps, a read of the logits would come steps early
+        "for _ in tracer.iter[:3]:\n    layer.output[0][:] += v\nx = model.logits.save()\n",
+        "for _ in tracer.iter[:3]:\n    layer.output[0][:] += v\nfor _ in tracer.iter[3:5]:\n"
+        "    x = model.samples.save()\n",
         # an invoke inside
         "layer.output[0][:] += v\nwith tracer.invoke('x'):\n    y = model.logits.save()\n",
     ],

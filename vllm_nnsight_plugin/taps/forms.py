@@ -581,6 +581,9 @@ def split(source: str) -> Split | None:
     bound: set[str] = set()  # names the statements on locations bind (aliases, lists)
     waited = False  # a statement of the rest that waits on the run has come
     gone: list[ast.stmt] = []  # what leaves the source for the rest
+    # A step loop gone whole to the taps: what follows it in Python waits for the
+    # steps after that loop, and without the loop would wait for the first.
+    moved = False
     for at, node in enumerate(body):
         if isinstance(node, ast.For) and not node.orelse and _steps(node.iter) is not None:
             on, off = [], []
@@ -595,7 +598,10 @@ def split(source: str) -> Split | None:
             if on:
                 taps.append((at, _with_body(node, on)))
                 gone.extend(on if off else [node])
+                moved = moved or not off
             if off:
+                if moved:
+                    return None
                 rest.append((at, _with_body(node, off)))
                 waited = True
         elif _on_location(node, bound):
@@ -605,6 +611,8 @@ def split(source: str) -> Split | None:
             gone.append(node)
             bound |= _binds(node)
         else:
+            if moved and _waits(node, _RUN - {"result"}):
+                return None
             rest.append((at, node))
             waited = waited or _waits(node)
     # A list the statements on locations fill is declared with them.
@@ -650,8 +658,8 @@ def _on_location(node: ast.stmt, bound: set[str]) -> bool:
     return False
 
 
-def _waits(node: ast.stmt) -> bool:
-    return any(isinstance(n, ast.Attribute) and n.attr in _RUN for n in ast.walk(node))
+def _waits(node: ast.stmt, on: frozenset[str] = _RUN) -> bool:
+    return any(isinstance(n, ast.Attribute) and n.attr in on for n in ast.walk(node))
 
 
 def _binds(node: ast.stmt) -> set[str]:
