@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 
 def logprobs(output) -> list[dict[int, float]]:
@@ -32,15 +33,10 @@ def main() -> None:
         from vllm_nnsight_plugin.models.smollm2 import smollm2_path
 
         path = smollm2_path()
-    llm = LLM(
-        path,
-        dtype="float32",
-        max_model_len=512,
-        gpu_memory_utilization=0.3,
-        kv_cache_memory_bytes=512 * 1024 * 1024,
-        max_num_seqs=16,
-        enforce_eager=True,
-    )
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.engines import ENGINE_DEFAULTS  # the engine the tests compare on
+
+    llm = LLM(path, **ENGINE_DEFAULTS)
     params = SamplingParams(temperature=0.0, max_tokens=5, logprobs=3)
     mine = ["The Eiffel Tower is in the city of", "Water boils at", "The capital of Japan is"]
     others = [f"Item {i}: the colour of the sky on a {i}-degree day is" for i in range(8)]
