@@ -8,7 +8,8 @@ import torch
 
 from vllm_nnsight_plugin.returns.outputs import attach, empty_entry, merge_replies
 from vllm_nnsight_plugin.taps.lower import LoweredBlock, Unlowered, lower
-from vllm_nnsight_plugin.worker.paths import EDITED, NO_TAPS, Paths
+from vllm_nnsight_plugin.worker.lowering import Lowering
+from vllm_nnsight_plugin.worker.paths import AT_SAMPLER, EDITED, NO_TAPS, Paths
 
 
 class Model:
@@ -122,3 +123,20 @@ def test_a_servers_path_is_kept_only_in_its_documented_shape():
     assert served_path({"lowered": False, "reason": {"x": 1}}) is None
     assert served_path("lowered") is None and served_path(None) is None
     assert len(served_path({"lowered": False, "reason": "x" * 10**6})["reason"]) == 20_000
+
+
+def test_a_block_that_never_reaches_a_module_is_at_the_sampler_on_any_engine():
+    """Nothing of it can go on the tables (admission marks it: ``reach.py``), so
+    its reason is the sampler's, not that of the forms, and it is not looked at."""
+
+    class Mediator:
+        needs_forward = False
+
+    class Request:
+        id = "r"
+        mediator = Mediator()
+
+    lowering = Lowering(runner=None)
+    assert not lowering.lower(Request(), tables=None, model=None, rows=5, most=10)
+    assert lowering.paths.take(["r"]) == {"lowered": False, "form": None, "reason": AT_SAMPLER[1]}
+    assert lowering.stats()["python_why"] == {"sampler": 1}

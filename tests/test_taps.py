@@ -65,6 +65,23 @@ def test_the_steering_loop_forms_are_recognised(source):
     assert form.alias is None or form.alias not in form.names
 
 
+@pytest.mark.parametrize(
+    ("source", "select"),
+    [
+        ("for _ in tracer.iter[:3]:\n    h = layer.output[0]\n    h[-1] += 2.0 * v.to(h)\n", -1),
+        ("for _ in tracer.all():\n    layer.output[0][-1] += v\n", -1),
+        ("for _ in tracer.iter[:3]:\n    layer.output[0][0] += v\n", 0),
+        ("for _ in tracer.iter[:3]:\n    layer.mlp.output[-1] += v\n", -1),  # a tensor's last row
+        ("h = layer.output[0]\nh[-1] += v\nout = tracer.result.save()\n", -1),  # the first step only
+    ],
+)
+def test_steering_one_row_of_each_step_is_recognised(source, select):
+    """The prompt's last (or first) row on the first step, then the new token's
+    row: a row every step has."""
+    form = block_form(source)
+    assert form is not None and form.vector is not None and form.select == select
+
+
 def test_the_names_a_steering_vector_reads():
     form = block_form(
         "for _ in tracer.iter[:3]:\n    h = layer.output[0]\n    h[:] += (v.to(h.dtype) - w.to(dev)) * 2\n"
@@ -162,7 +179,9 @@ def test_a_vector_moved_to_the_taps_value_is_worked_out_as_the_block_would():
         "for _ in tracer.iter[:3]:\n    h = layer.output[0]\n    h[:] += h.norm() * v\n",
         "for _ in tracer.iter[:3]:\n    h = layer.output[0]\n    h[:] += v.to(h.shape)\n",
         "for _ in tracer.iter[:3]:\n    h = layer.output[0]\n    h[:] += h\n",
-        "for _ in tracer.iter[:3]:\n    h = layer.output[0]\n    h[-1] += v\n",
+        "for _ in tracer.iter[:3]:\n    h = layer.output[0]\n    h[1] += v\n",  # not on every step
+        "for _ in tracer.iter[:3]:\n    h = layer.output[0]\n    h[-1:] += v\n",
+        "for _ in tracer.iter[:3]:\n    h = layer.output[0]\n    h[:, 5] += v\n",
         "for _ in tracer.iter[:3]:\n    h = layer.output[0]\n    g[:] += v\n",
         "for _ in tracer.iter[:3]:\n    h = layer.output[0]\n    h[:] -= v\n",
         "for _ in tracer.iter[:3]:\n    h = layer.output[1]\n    h[:] += v\n",
@@ -171,11 +190,13 @@ def test_a_vector_moved_to_the_taps_value_is_worked_out_as_the_block_would():
         "for _ in tracer.iter[:3]:\n    v = layer.output[0]\n    v[:] += v.to(v)\n",
         "for _ in tracer.iter[:3]:\n    h = layer.output[0]\n    h[:] += v.to(h, copy=True)\n",
         "for _ in tracer.iter[::2]:\n    layer.output[0][:] += v\n",
-        "for _ in tracer.iter[:3]:\n    layer.output[0][-1] += v\n",
+        "for _ in tracer.iter[:3]:\n    layer.output[0][-2] += v\n",
+        "for _ in tracer.iter[:3]:\n    layer.output[0][k] += v\n",
         "for _ in tracer.iter[:3]:\n    layer.output[1][:] += v\n",
         "for _ in tracer.iter[:3]:\n    layer.output[0][:] -= v\n",
         "for _ in tracer.iter[-2:]:\n    layer.output[0][:] += v\n",
-        "layer.output[0][-1] += v\n",  # the first step only, on one row
+        "layer.output[0][2] += v\n",  # the first step only, on a row a prompt may not have
+        "h = layer.output[0]\nh += v\nh[-1] += v\n",
     ],
 )
 def test_anything_else_runs_as_python(source):
@@ -326,6 +347,25 @@ def test_the_tables_point_each_steps_rows_at_their_requests():
     for name in "wxyz":
         assert tables.add(name, steering(0, 0, None), torch.ones(4))
     assert not tables.add("full", steering(0, 0, None), torch.ones(4))  # runs as Python
+
+
+def test_a_steer_of_one_row_points_only_that_row_of_each_step_at_its_vector():
+    tables = TapTables(("model.layers.0",), max_tokens=16, hidden=4, entries=4, device="cpu")
+    last, first = steering(0, 0, None), steering(0, 0, None)
+    last.select, first.select = -1, 0
+    assert tables.add("last", last, torch.ones(4)) and tables.add("first", first, torch.full((4,), 2.0))
+    assert tables.add("all", steering(0, 0, None), torch.full((4,), 3.0))
+    tables.fill(["last", "first", "all"], bounds([0, 4, 7], [4, 3, 2]))  # the prompts
+    want = torch.full((1, 16), -1, dtype=torch.int32)
+    want[0, 3], want[0, 4], want[0, 7:9] = last.entry, first.entry, tables.requests["all"].entry
+    assert torch.equal(tables.slots, want)
+    tables.fill(["first", "last", "all"], bounds([0, 1, 2], [1, 1, 1]))  # one row each: that row
+    want = torch.full((1, 16), -1, dtype=torch.int32)
+    want[0, :3] = torch.tensor([first.entry, last.entry, tables.requests["all"].entry])
+    assert torch.equal(tables.slots, want)
+    hidden = torch.zeros(3, 4)
+    out = torch.ops.vllm_nnsight.steer(hidden, tables.slots, tables.bank, 0)
+    assert torch.equal(out, torch.tensor([[2.0] * 4, [1.0] * 4, [3.0] * 4]))
 
 
 def test_kept_rows_go_straight_to_each_requests_region_of_the_store():
@@ -574,6 +614,48 @@ def test_the_docs_steering_loop_is_lowered_and_equals_the_python_path_bit_for_bi
     assert list(plain[0].outputs[0].token_ids) != list(lowered.outputs[0].token_ids)  # it steered
 
 
+def test_a_steer_of_the_newest_row_is_lowered_and_equals_the_python_path_bit_for_bit(smollm2_llm, smol):
+    """``hidden[-1] += v``: the prompt's last row on the first step, then each new
+    token's row; ``[0]`` the first. Against the same edit written to run as Python."""
+    torch.manual_seed(7)
+    vector = torch.randn(576)
+    on_device = vector.to(DEVICE)
+
+    def last(model):
+        with model.trace(PROMPT, temperature=0.0, max_tokens=5, logprobs=3) as tracer:
+            for _ in tracer.iter[:5]:
+                hidden = model.model.layers[10].output[0]
+                hidden[-1] += 8.0 * vector.to(hidden)
+            out = tracer.result.save()
+        return out
+
+    def first(model):
+        with model.trace(PROMPT, temperature=0.0, max_tokens=5, logprobs=3) as tracer:
+            for _ in tracer.iter[:5]:
+                model.model.layers[10].output[0][0] += 8.0 * on_device
+            out = tracer.result.save()
+        return out
+
+    def as_python(model, row):  # an assignment, not ``+=``: not lowered
+        with model.trace(PROMPT, temperature=0.0, max_tokens=5, logprobs=3) as tracer:
+            for _ in tracer.iter[:5]:
+                hidden = model.model.layers[10].output[0]
+                hidden[row] = hidden[row] + 8.0 * vector.to(hidden)
+            out = tracer.result.save()
+        return out
+
+    for steer, row in ((last, -1), (first, 0)):
+        before = lowered_count(smollm2_llm)
+        lowered = steer(smol)
+        assert lowered_count(smollm2_llm) - before == 1, row
+        assert lowered.nnsight_path["form"] == "steer"
+        python = as_python(smol, row)
+        assert lowered_count(smollm2_llm) - before == 1, row
+        same_generation([lowered], [python])
+        plain = smollm2_llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)
+        assert list(plain[0].outputs[0].token_ids) != list(lowered.outputs[0].token_ids)  # it steered
+
+
 def test_lowered_python_and_plain_requests_share_steps(smollm2_llm, smol):
     torch.manual_seed(2)
     vector = torch.randn(576).to(DEVICE)
@@ -754,6 +836,7 @@ def test_the_output_says_which_path_each_request_took_and_why(smollm2_llm, smol)
 
     torch.manual_seed(5)
     vector = torch.randn(576)
+    half = vector.half()
     (before,) = smollm2_llm.collective_rpc("nnsight_stats")
     with smol.trace(temperature=0.0, max_tokens=2) as tracer:
         with tracer.invoke(PROMPT):
@@ -766,12 +849,25 @@ def test_the_output_says_which_path_each_request_took_and_why(smollm2_llm, smol)
                 act = smol.model.layers[3].mlp.act_fn.output
                 act[:] *= 1.0
             python = tracer.result.save()
+        with tracer.invoke(PROMPT):  # nothing at a module location: nothing to lower
+            result_only = tracer.result.save()
+        with tracer.invoke(PROMPT):  # split, its part on the tap with a float16 vector
+            drawn = list().save()
+            for _ in tracer.iter[:2]:
+                hidden = smol.model.layers[10].output[0]
+                hidden[:] += 1.0 * half
+                drawn.append(smol.samples.item())
+            narrow = tracer.result.save()
     assert lowered.nnsight_path == {"lowered": True, "form": "steer", "reason": None}
     assert python.nnsight_path == {
         "lowered": False,
         "form": None,
         "reason": "it reads `model.model.layers.3.mlp.act_fn`, which is not a tap on this engine",
     }
+    assert not result_only.nnsight_path["lowered"] and result_only.nnsight_path["reason"].startswith(
+        "it reads only what the sampler serves"
+    )
+    assert not narrow.nnsight_path["lowered"] and narrow.nnsight_path["reason"].startswith("its vector")
     with smol.requests(PROMPT, temperature=0.0, max_tokens=2) as tracer:
         kept = smol.model.layers[20].output[0][-1].clone().save()  # noqa: F841
     plain = SamplingParams(temperature=0.0, max_tokens=2)
@@ -781,8 +877,9 @@ def test_the_output_says_which_path_each_request_took_and_why(smollm2_llm, smol)
     assert outs[0].nnsight_path == {"lowered": True, "form": "read", "reason": None}
     assert not hasattr(outs[1], "nnsight_path")  # a plain request gets none of it
     (after,) = smollm2_llm.collective_rpc("nnsight_stats")
-    assert after["python_blocks"] - before["python_blocks"] == 1
-    assert after["python_why"]["not_a_tap"] - before["python_why"].get("not_a_tap", 0) == 1
+    assert after["python_blocks"] - before["python_blocks"] == 3
+    for kind in ("not_a_tap", "sampler", "vector"):
+        assert after["python_why"][kind] - before["python_why"].get(kind, 0) == 1
 
 
 def test_a_steering_loop_beside_what_the_sampler_serves_is_split_and_equals_python(smollm2_llm, smol):

@@ -10,6 +10,9 @@ statement; anything else, down to one more statement, runs as Python:
         hidden = <tap>.output[0]
         hidden[:] += <vector>           # or hidden += <vector>
 
+    either on one row of each step: hidden[-1] += <vector> (the prompt's last
+    row on the first step, then the new token's), or hidden[0]
+
     hidden = <tap>.output[0]            # either, with no loop: the first step only
     hidden[:] += <vector>
 
@@ -126,16 +129,18 @@ def _steering(body: list[ast.stmt]) -> Form | None:
         if alias is None or not isinstance(edit, ast.AugAssign):
             return None
         read = statements[0].value
-        edited = edit.target.value if _is_full_slice(edit.target) else edit.target
-        if not (isinstance(edited, ast.Name) and edited.id == alias):
+        edited = _edited(edit.target, bare=True)
+        if edited is None or not (isinstance(edited[0], ast.Name) and edited[0].id == alias):
             return None
     else:
         (edit,) = statements
-        if not (isinstance(edit, ast.AugAssign) and _is_full_slice(edit.target)):
+        edited = _edited(edit.target, bare=False) if isinstance(edit, ast.AugAssign) else None
+        if edited is None:
             return None
-        read = edit.target.value
+        read = edited[0]
     if not isinstance(edit.op, ast.Add):
         return None
+    select = edited[1]
     whole = _is_output(read)
     if not whole and _output(read) != 0:
         return None
@@ -148,8 +153,31 @@ def _steering(body: list[ast.stmt]) -> Form | None:
     vector = ast.Expression(body=edit.value)
     ast.fix_missing_locations(vector)
     return Form(
-        tracer, start, stop, tap, None, vector=vector, names=frozenset(names), whole=whole, alias=alias
+        tracer,
+        start,
+        stop,
+        tap,
+        None,
+        vector=vector,
+        names=frozenset(names),
+        select=select,
+        whole=whole,
+        alias=alias,
     )
+
+
+def _edited(target: ast.expr, bare: bool) -> tuple[ast.expr, int | None] | None:
+    """What an in-place addition writes -> (the value, the row of each step or None
+    for every row): ``X[:]`` (or ``X`` itself, where ``bare``) every row,
+    ``X[-1]`` or ``X[0]`` one row of each step, which every step has."""
+    if _is_full_slice(target):
+        return target.value, None
+    if isinstance(target, ast.Subscript):
+        index = _constant_index(target.slice)
+        if type(index) is int and index in _EVERY_STEP_ROWS:
+            return target.value, index
+        return None
+    return (target, None) if bare else None
 
 
 def _keeping(body: list[ast.stmt]) -> Form | None:

@@ -234,15 +234,24 @@ class TapTables:
         offsets = np.repeat(np.cumsum(counts) - counts, counts)
         within = np.arange(total, dtype=np.int64) - offsets
         slab = np.repeat(starts, counts) + within
-        kind, site = self._kind[each], self._site[each]
-        table[slab, kind, site] = self._value[each]
+        kind, site, pick = self._kind[each], self._site[each], self._pick[each]
+        chosen = None
+        if pick.any():  # blocks on one row of each step: the last, or the first
+            last = within == np.repeat(counts, counts) - 1
+            chosen = (pick == 0) | ((pick == 1) & last) | ((pick == 2) & (within == 0))
+        if chosen is None:
+            table[slab, kind, site] = self._value[each]
+        else:  # a steer of one row leaves the others' slots at -1
+            written = (kind == 1) | chosen
+            table[slab[written], kind[written], site[written]] = self._value[each[written]]
         keeping = kind == 1
         if keeping.any():
             kept = each[keeping]
-            stride, pick, row = self._stride[kept], self._pick[kept], within[keeping]
+            stride, pick, row = self._stride[kept], pick[keeping], within[keeping]
             # a keep of one row of each step keeps that row only; the rest go to row 0
-            last = row == np.repeat(counts, counts)[keeping] - 1
-            chosen = (pick == 0) | ((pick == 1) & last) | ((pick == 2) & (row == 0))
+            if chosen is None:
+                chosen = np.ones(total, dtype=bool)
+            chosen = chosen[keeping]
             place = (self._done[kept] + np.where(pick == 0, row, 0)) * stride
             fits = chosen & (place + stride <= self._room[kept])
             table[slab[keeping], 2, site[keeping]] = np.where(fits, self._base[kept] + place, 0)

@@ -26,7 +26,8 @@ the values it captured must pass the checks here, or it runs as Python:
   the output only).
 
 Then the block's whole effect is known. Steering: on steps ``a`` to ``b - 1`` of
-its request, every row of that request at that tap gets the vector added.
+its request, every row of that request at that tap gets the vector added (or
+the one row of each step it names, which must then be ``[width]``).
 Keeping: on those steps the request's rows at the tap are copied out, and come
 back as the list the loop would have built (for a first-step read, the one
 value; for a cache, the view nnsight's ``tracer.cache`` saves). Either way, the
@@ -112,6 +113,7 @@ def lower(
         if form.cache:
             lowered.cache = f"{model.path}.{path}"  # the key nnsight's cache files it under
         return LoweredBlock(path, lowered, None)
+    lowered.select = form.select  # one row of each step, or None: every row
     vector = _vector(form, scope, tables.hidden, dtype, tables.device)
     return _VECTOR if vector is None else LoweredBlock(path, lowered, vector)
 
@@ -185,7 +187,8 @@ def _vector(form: Form, scope: dict[str, Any], width: int, dtype: torch.dtype, d
         return None  # the Python path raises the same error, on the request
     if not (
         type(vector) is torch.Tensor
-        and tuple(vector.shape) in ((width,), (1, width))
+        # ``[1, width]`` added in place to one row does not broadcast: Python raises
+        and tuple(vector.shape) in (((width,), (1, width)) if form.select is None else ((width,),))
         and vector.device == device
         and vector.dtype in (dtype, torch.float32)
         and dtype in (torch.float32, torch.bfloat16, torch.float16)

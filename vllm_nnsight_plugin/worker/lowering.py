@@ -14,7 +14,7 @@ from typing import Any
 
 from .. import seams
 from .errors import KeptRowsError
-from .paths import COPIES, NO_ROOM, OUT_OF_RANGE, SEQUENCES, SPECULATIVE, UNSIZED, Paths
+from .paths import AT_SAMPLER, COPIES, NO_ROOM, OUT_OF_RANGE, SEQUENCES, SPECULATIVE, UNSIZED, Paths
 
 #: Stands in a lowered request's saves for its finished output (``tracer.result``)
 #: until the output is at hand.
@@ -58,7 +58,12 @@ class Lowering:
         from . import _nnsight as nns
 
         mediator = request.mediator
-        if mediator is None or not self._may_lower(request):
+        if mediator is None:
+            return False
+        if not getattr(mediator, "needs_forward", True):  # nothing on the taps to lower
+            self.paths.python(request.id, *AT_SAMPLER)
+            return False
+        if not self._may_lower(request):
             return False
         block = lower(
             nns.block_source(mediator),
@@ -110,6 +115,8 @@ class Lowering:
         if parts is not None:
             block = lower(parts.taps, scope, model, nns.InterleavingTracer, tables, seams.model_dtype(self.runner))
         if parts is None or isinstance(block, Unlowered):
+            # Where it splits, its part on the taps says more than the whole block.
+            why = block if isinstance(block, Unlowered) else why
             self.paths.python(request.id, why.kind, why.reason)
             return None
         rest = nns.with_source(mediator, parts.rest)

@@ -40,6 +40,13 @@ OUT_OF_RANGE = ("row", "its first-step read indexes a row outside the prompt (Py
 UNSIZED = ("unsized", "it keeps rows, and has no `max_tokens` to size their room by")
 NO_ROOM = ("room", "the tap tables have no room for it now")
 FAILED = ("error", "lowering it failed (the engine's log says why)")
+#: A block that never reaches a module location: it runs as Python at the sampler
+#: on any engine, and its steps stay in the graphs (``reach.py``).
+AT_SAMPLER = (
+    "sampler",
+    "it reads only what the sampler serves (`model.logits`, `model.samples`, `tracer.result`), "
+    "which runs as Python there while the forward stays compiled",
+)
 
 
 class Paths:

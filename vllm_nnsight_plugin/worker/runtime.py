@@ -46,7 +46,7 @@ from ..wire.references import envoy_references
 from .budget import watchdogs
 from .edits import marked
 from .lowering import OUTPUT, Lowering
-from .paths import CHUNKED, EDITED, FAILED, NO_TAPS
+from .paths import AT_SAMPLER, CHUNKED, EDITED, FAILED, NO_TAPS
 from .refusals import refuse_chunked
 from .resume import SITTING_OUT, narrow, recompute_spans, refuse_resumed
 from .step import Phase, Step
@@ -184,6 +184,9 @@ class WorkerRuntime:
                 admit(requests, self.index, data, self.persistent, self.limits, self.model)
                 if data.req_id in requests.requests:
                     why = NO_TAPS if tables is None else EDITED if edited else CHUNKED
+                    mediator = requests.requests[data.req_id].mediator
+                    if why is NO_TAPS and not getattr(mediator, "needs_forward", True):
+                        why = AT_SAMPLER  # taps or none, it runs at the sampler
                     self.lowering.paths.python(data.req_id, *why)
                 continue
             rows = seams.scheduled_rows(data, scheduler_output)
