@@ -35,7 +35,9 @@ x 1 token, ``sweep`` the same in one trace, each invoke keeping one layer's last
 row (how activations are extracted for probes and SAEs), ``trace1`` one prompt,
 one token, saving the logits (latency), ``steer`` add a vector to one layer's
 output at every step (64 x 128), ``steer_docs`` the same as the user docs write it
-(the value named, a scale, a CPU vector moved with ``.to(hidden)``), ``capture`` keep one layer's output for every
+(the value named, a scale, a CPU vector moved with ``.to(hidden)``), ``steer_draws``
+the steering page's loop whole (that edit, ``tracer.all()``, each step's drawn
+token kept: split, the draws Python at the sampler), ``capture`` keep one layer's output for every
 token (1,000 x 128; 64 x 128 for the anchors), ``prompt_read`` keep one layer's
 last prompt row, then generate (64 x 128), ``lens`` the logit lens over every
 layer for one prompt, one batched unembed (latency). On ``on-taps``,
@@ -143,6 +145,21 @@ def steer_as_the_docs_write_it(model, batch, tokens, vector) -> None:
                 for _ in tracer.iter[:tokens]:
                     hidden = layer.output[0]
                     hidden[:] += 1.0 * vector.to(hidden)
+
+
+def steer_and_draw(model, batch, tokens, vector) -> None:
+    """The steering page's loop as written: the docs' edit, every step to the end
+    (``tracer.all()``), each step's drawn token kept (Python at the sampler, the
+    edit on the taps: a split block)."""
+    layer = model.model.layers[LAYER]
+    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+        for ids in batch:
+            with tracer.invoke(ids):
+                drawn = list().save()
+                for _ in tracer.all():
+                    hidden = layer.output[0]
+                    hidden[:] += 1.0 * vector.to(hidden)
+                    drawn.append(model.samples.item())
 
 
 def steer_tokens(model, batch, tokens, vector) -> list[list[int]]:
@@ -311,6 +328,10 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
         batch = unique(CONCURRENT)
         wall = timed(lambda batch=batch: steer_as_the_docs_write_it(model, batch, TOKENS, cpu_vector))
         result(engine=name, job="steer_docs", tok_s=round(CONCURRENT * TOKENS / wall, 1))
+    for _ in range(repeats):
+        batch = unique(CONCURRENT)
+        wall = timed(lambda batch=batch: steer_and_draw(model, batch, TOKENS, cpu_vector))
+        result(engine=name, job="steer_draws", tok_s=round(CONCURRENT * TOKENS / wall, 1))
     if kind == "taps":
         (before,) = llm.collective_rpc("nnsight_stats")
         big = 100 * vector  # large enough to change greedy tokens
