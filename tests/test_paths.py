@@ -23,7 +23,7 @@ class Tracer:
 class Tables:
     """What ``lower`` asks of the tap tables: which module paths are taps."""
 
-    site_of = {"model.layers.10": 0}
+    site_of = {"model.layers.10": 0, "model.layers.11": 1, "model.layers.12": 2}
     hidden = 8
     device = torch.device("cpu")
 
@@ -140,3 +140,21 @@ def test_a_block_that_never_reaches_a_module_is_at_the_sampler_on_any_engine():
     assert not lowering.lower(Request(), tables=None, model=None, rows=5, most=10)
     assert lowering.paths.take(["r"]) == {"lowered": False, "form": None, "reason": AT_SAMPLER[1]}
     assert lowering.stats()["python_why"] == {"sampler": 1}
+
+
+def test_steering_several_layers_needs_each_a_tap_once_in_the_models_order():
+    """Python adds at each layer as the model reaches it: the lowered block adds
+    the same vector at each of their taps (``also``), or runs as Python."""
+    loop = "for _ in tracer.iter[:3]:\n    for i in {}:\n        model.model.layers[i].output[0][:] += v\n"
+    v = torch.ones(8)
+    got = why(loop.format("(10, 12)"), v=v)
+    assert isinstance(got, LoweredBlock) and got.site == "model.layers.10" and got.also == (2,)
+    got = why(loop.format("layers"), v=v, layers=range(10, 13))
+    assert isinstance(got, LoweredBlock) and got.also == (1, 2)
+    assert why(loop.format("(12, 10)"), v=v).reason.startswith("its layers are not whole numbers, each once")
+    assert why(loop.format("(10, 10)"), v=v).kind == "form"
+    assert why(loop.format("layers"), v=v, layers=[10, 11.0]).kind == "form"
+    assert why(loop.format("range(10, 13)"), v=v, range=lambda *a: [10]).kind == "form"  # not the builtin
+    assert why(loop.format("(10, 13)"), v=v) == Unlowered(
+        "not_a_tap", "it reads `model.model.layers.13`, which is not a tap on this engine"
+    )

@@ -12,7 +12,7 @@ from vllm import SamplingParams
 from tests.engines import DEVICE
 from vllm_nnsight_plugin import VLLM
 from vllm_nnsight_plugin.returns.cached import CachedSteps
-from vllm_nnsight_plugin.taps.forms import block_form
+from vllm_nnsight_plugin.taps.forms import Index, block_form
 from vllm_nnsight_plugin.taps.install import Lowered, TapTables, _tapped_class, returns_tuple
 from vllm_nnsight_plugin.taps.kept import Regions
 from vllm_nnsight_plugin.taps.ops import KEEP_BOTH, KEEP_FIRST, KEEP_SECOND, KEEP_SUM
@@ -80,6 +80,51 @@ def test_steering_one_row_of_each_step_is_recognised(source, select):
     row: a row every step has."""
     form = block_form(source)
     assert form is not None and form.vector is not None and form.select == select
+
+
+@pytest.mark.parametrize(
+    ("source", "over"),
+    [
+        (
+            "for _ in tracer.iter[:4]:\n    for i in (8, 10, 12):\n"
+            "        model.model.layers[i].output[0][:] += 4.0 * v\n",
+            ("i", (8, 10, 12)),
+        ),
+        (
+            "for _ in tracer.all():\n    for index in range(8, 13):\n"
+            "        hidden = model.model.layers[index].output[0]\n        hidden[:] += v.to(hidden)\n",
+            ("index", ("range", 8, 13)),
+        ),
+        (
+            "for _ in tracer.iter[:4]:\n    for i in chosen:\n        model.model.layers[i].output[0][-1] += v\n",
+            ("i", Index("chosen")),
+        ),
+    ],
+)
+def test_steering_several_layers_in_a_loop_is_recognised(source, over):
+    form = block_form(source)
+    assert form is not None and form.vector is not None and form.over == over
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        # the vector reads the layer; the loop is not over the layers; a loop that
+        # is not over whole numbers; more in the inner loop; an else
+        "for _ in tracer.iter[:4]:\n    for i in (8, 10):\n        model.model.layers[i].output[0][:] += i * v\n",
+        "for _ in tracer.iter[:4]:\n    for i in (8, 10):\n        model.model.layers[10].output[0][:] += v\n",
+        "for _ in tracer.iter[:4]:\n    for i in (8, 10):\n        model.model.blocks[i].output[0][:] += v\n",
+        "for _ in tracer.iter[:4]:\n    for i in (8, x):\n        model.model.layers[i].output[0][:] += v\n",
+        "for _ in tracer.iter[:4]:\n    for i in f(3):\n        model.model.layers[i].output[0][:] += v\n",
+        "for _ in tracer.iter[:4]:\n    for i in (8, 10):\n        model.model.layers[i].output[0][:] += v\n"
+        "        model.model.layers[i].output[0][:] += v\n        x = 1\n",
+        "for _ in tracer.iter[:4]:\n    for i in (8, 10):\n        model.model.layers[i].output[0][:] += v\n"
+        "    else:\n        pass\n",
+        "for i in (8, 10):\n    model.model.layers[i].output[0][:] += v\n",  # no step loop
+    ],
+)
+def test_other_loops_over_layers_run_as_python(source):
+    assert block_form(source) is None
 
 
 def test_the_names_a_steering_vector_reads():
@@ -368,6 +413,29 @@ def test_a_steer_of_one_row_points_only_that_row_of_each_step_at_its_vector():
     assert torch.equal(out, torch.tensor([[2.0] * 4, [1.0] * 4, [3.0] * 4]))
 
 
+def test_a_request_steering_several_layers_takes_an_entry_at_each():
+    tables = TapTables(
+        tuple(f"model.layers.{i}" for i in range(3)), max_tokens=16, hidden=4, entries=4, device="cpu"
+    )
+    several = steering(0, 0, None)
+    assert tables.add("several", several, torch.ones(4), also=(2,))
+    assert tables.add("one", steering(1, 0, None), torch.full((4,), 2.0))
+    assert not tables.add("full", steering(1, 0, None), torch.ones(4), also=(2,))  # one entry left
+    tables.fill(["several", "one"], bounds([0, 3], [3, 2]))
+    entry, extra = several.entry, tables._also_of["several"][0]
+    want = torch.full((3, 16), -1, dtype=torch.int32)
+    want[0, 0:3], want[2, 0:3], want[1, 3:5] = entry, extra, tables.requests["one"].entry
+    assert torch.equal(tables.slots, want)
+    out = torch.ops.vllm_nnsight.steer(torch.zeros(5, 4), tables.slots, tables.bank, 2)
+    assert torch.equal(out, torch.tensor([[1.0] * 4] * 3 + [[0.0] * 4] * 2))
+    assert tables.steps("several") == 1
+    assert tables.forget("several")[1] == 1 and len(tables.free) == 3  # both entries back
+    tables.fill(["several", "one"], bounds([0, 1], [1, 1]))
+    want = torch.full((3, 16), -1, dtype=torch.int32)
+    want[1, 1] = tables.requests["one"].entry
+    assert torch.equal(tables.slots, want)
+
+
 def test_kept_rows_go_straight_to_each_requests_region_of_the_store():
     tables = TapTables(
         ("model.layers.0", "model.layers.1"), max_tokens=8, hidden=3, entries=4, device="cpu", store_size=32
@@ -654,6 +722,46 @@ def test_a_steer_of_the_newest_row_is_lowered_and_equals_the_python_path_bit_for
         same_generation([lowered], [python])
         plain = smollm2_llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)
         assert list(plain[0].outputs[0].token_ids) != list(lowered.outputs[0].token_ids)  # it steered
+
+
+def test_steering_several_layers_in_a_loop_is_lowered_and_equals_the_python_path_bit_for_bit(
+    smollm2_llm, smol
+):
+    """``for i in (10, 20): ...`` inside the step loop: the same vector added at each
+    layer as the model reaches it, one entry of the tables per layer."""
+    torch.manual_seed(8)
+    vector = torch.randn(576)
+    layers = [10, 20]
+
+    def lowered_block(model):
+        with model.trace(PROMPT, temperature=0.0, max_tokens=5, logprobs=3) as tracer:
+            for _ in tracer.iter[:5]:
+                for i in layers:
+                    hidden = model.model.layers[i].output[0]
+                    hidden[:] += 4.0 * vector.to(hidden)
+            out = tracer.result.save()
+        return out
+
+    def python_block(model):
+        with model.trace(PROMPT, temperature=0.0, max_tokens=5, logprobs=3) as tracer:
+            for _ in tracer.iter[:5]:
+                for i in layers:
+                    hidden = model.model.layers[i].output[0]
+                    hidden[:] = hidden + 4.0 * vector.to(hidden)
+            out = tracer.result.save()
+        return out
+
+    before = lowered_count(smollm2_llm)
+    lowered = lowered_block(smol)
+    assert lowered_count(smollm2_llm) - before == 1 and lowered.nnsight_path["form"] == "steer"
+    python = python_block(smol)
+    assert lowered_count(smollm2_llm) - before == 1
+    same_generation([lowered], [python])
+    one = steer_as_the_docs_write_it(smol, vector * 4.0 / 6.0)  # layer 10 alone: not the same
+    first = [{t: p.logprob for t, p in out.outputs[0].logprobs[0].items()} for out in (one, lowered)]
+    assert first[0] != first[1]
+    (stats,) = smollm2_llm.collective_rpc("nnsight_stats")
+    assert stats["lowered_now"] == 0  # every entry given back
 
 
 def test_lowered_python_and_plain_requests_share_steps(smollm2_llm, smol):

@@ -13,6 +13,10 @@ statement; anything else, down to one more statement, runs as Python:
     either on one row of each step: hidden[-1] += <vector> (the prompt's last
     row on the first step, then the new token's), or hidden[0]
 
+    for _ in tracer.iter[a:b]:          # steering several layers
+        for i in <layers>:              # (8, 10), range(8, 12), or a captured list
+            <either body above, on model.model.layers[i]>
+
     hidden = <tap>.output[0]            # either, with no loop: the first step only
     hidden[:] += <vector>
 
@@ -85,6 +89,9 @@ class Form:
     single: bool = False
     whole: bool = False  # the block uses ``output`` itself, not ``output[0]``/``output[1]``
     alias: str | None = None  # the name a steering loop gives the tap's value
+    #: steering several layers: (the inner loop's name, the whole numbers it takes:
+    #: a tuple of them, a ``range`` of them, or an Index naming a captured sequence)
+    over: tuple[str, Any] | None = None
 
     @property
     def cache(self) -> bool:
@@ -117,8 +124,14 @@ def block_form(source: str) -> Form | None:
 
 def _steering(body: list[ast.stmt]) -> Form | None:
     loop = _loop(body[0], 2) if len(body) == 1 else None
+    over = None
     if loop is not None:
         tracer, start, stop, target, statements = loop
+        if len(statements) == 1 and isinstance(statements[0], ast.For):
+            inner = _layers_loop(statements[0])
+            if inner is None:
+                return None
+            over, statements = inner
     elif 1 <= len(body) <= 2 and not any(isinstance(s, _COMPOUND) for s in body):
         tracer, start, stop, target, statements = None, 0, 1, None, body  # the first step only
     else:
@@ -150,6 +163,8 @@ def _steering(body: list[ast.stmt]) -> Form | None:
         return None
     if _reads(tap, start, stop) & {target, tracer, alias} or names & {target, tracer, alias}:
         return None
+    if over is not None and (over[0] in names | {target, tracer, alias} or not _indexes_layers(tap, over[0])):
+        return None  # the vector reads the layer, or the loop is not over the layers
     vector = ast.Expression(body=edit.value)
     ast.fix_missing_locations(vector)
     return Form(
@@ -163,6 +178,41 @@ def _steering(body: list[ast.stmt]) -> Form | None:
         select=select,
         whole=whole,
         alias=alias,
+        over=over,
+    )
+
+
+def _layers_loop(node: ast.For) -> tuple[tuple[str, Any], list[ast.stmt]] | None:
+    """``for i in <layers>:`` with one or two statements -> ((``i``, the layers), its
+    body). ``<layers>`` is a tuple or list of whole numbers written out,
+    ``range(...)`` of them, or a captured name (read at admission)."""
+    if node.orelse or not 1 <= len(node.body) <= 2 or not isinstance(node.target, ast.Name):
+        return None
+    found: Any = None
+    if isinstance(node.iter, (ast.Tuple, ast.List)):
+        numbers = [_int(e) for e in node.iter.elts]
+        found = tuple(numbers) if numbers and None not in numbers else None
+    elif (
+        isinstance(node.iter, ast.Call)
+        and isinstance(node.iter.func, ast.Name)
+        and node.iter.func.id == "range"
+        and 1 <= len(node.iter.args) <= 3
+        and not node.iter.keywords
+    ):
+        numbers = [_int(a) for a in node.iter.args]
+        found = ("range", *numbers) if None not in numbers else None
+    elif isinstance(node.iter, ast.Name):
+        found = Index(node.iter.id)
+    return None if found is None else ((node.target.id, found), list(node.body))
+
+
+def _indexes_layers(tap: tuple, name: str) -> bool:
+    """The module path picks a decoder layer by ``name`` (``...layers[name]...``):
+    the layers run one after the other in their order, so the loop's edits run
+    in the order the model reaches them."""
+    return any(
+        isinstance(part, Index) and part == Index(name) and before == "layers"
+        for before, part in zip(tap, tap[1:])
     )
 
 

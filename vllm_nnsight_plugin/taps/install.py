@@ -99,19 +99,41 @@ class TapTables:
         self.free = list(range(entries - 1, -1, -1))
         self.requests: dict[str, Lowered] = {}
         self._entry_of: dict[str, int] = {}
+        #: a request steering several sites: its entries beyond the first
+        self._also_of: dict[str, tuple[int, ...]] = {}
+        self._per_entry = (
+            self._kind,
+            self._site,
+            self._value,
+            self._start,
+            self._stop,
+            self._steps,
+            self._base,
+            self._done,
+            self._room,
+            self._stride,
+            self._first,
+            self._pick,
+        )
         self._lowered: list[Lowered | None] = [None] * entries
         self.kept_rows = 0
 
     # ------------------------------------------------------------ requests
     def add(
-        self, request_id: str, lowered: Lowered, vector: torch.Tensor | None = None, room: int = 0
+        self,
+        request_id: str,
+        lowered: Lowered,
+        vector: torch.Tensor | None = None,
+        room: int = 0,
+        also: tuple[int, ...] = (),
     ) -> bool:
         """Put a request on the tables; False when there is no room (it runs as Python).
 
         A steering block brings its ``vector``; a keeping block needs ``room``
-        rows of the store (all its request can produce).
+        rows of the store (all its request can produce). ``also``: other sites a
+        steering block adds the same vector at, each an entry of its own.
         """
-        if request_id in self.requests or not self.free:
+        if request_id in self.requests or len(self.free) < 1 + len(also) or (also and lowered.code):
             return False
         if lowered.code:
             base = self.regions.take(room) if room > 0 else None
@@ -133,6 +155,15 @@ class TapTables:
         self.requests[request_id] = lowered
         self._entry_of[request_id] = entry
         self._lowered[entry] = lowered
+        if also:
+            more = self._also_of[request_id] = tuple(self.free.pop() for _ in also)
+            for extra, site in zip(more, also):
+                for array in self._per_entry:
+                    array[extra] = array[entry]
+                self._site[extra] = site
+                self._value[extra] = extra
+                self.bank[extra].copy_(self.bank[entry])
+                self._lowered[extra] = lowered
         return True
 
     def means(self, site: int, whole: bool) -> bool:
@@ -160,8 +191,9 @@ class TapTables:
         if lowered is None:
             return None
         entry = self._entry_of.pop(request_id)
-        self._lowered[entry] = None
-        self.free.append(entry)
+        for each in (entry, *self._also_of.pop(request_id, ())):
+            self._lowered[each] = None
+            self.free.append(each)
         return lowered, int(self._steps[entry])
 
     def steps(self, request_id: str) -> int:
@@ -216,6 +248,13 @@ class TapTables:
         if not rows.size:
             return 0
         entries = found[rows]
+        if self._also_of:  # requests steering several sites: one more (row, entry) per site
+            also = self._also_of.get
+            pairs = [(row, extra) for row in rows.tolist() for extra in also(req_ids[row], ())]
+            if pairs:
+                extra_rows, extra_entries = np.array(pairs, dtype=np.int64).T
+                rows = np.concatenate([rows, extra_rows])
+                entries = np.concatenate([entries, extra_entries])
         steps = self._steps[entries]
         self._steps[entries] = steps + 1
         counts = bounds[rows + 1] - bounds[rows]

@@ -57,6 +57,8 @@ class LoweredBlock:
     site: str  # module path relative to the model, as in the taps
     lowered: Lowered
     vector: torch.Tensor | None
+    #: steering several layers: the other taps the vector is added at, in model order
+    also: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,12 @@ def lower(
         return _not_a_form(source, scope, model, tables)
     if form.tracer is not None and not isinstance(scope.get(form.tracer), tracer_type):
         return Unlowered("form", f"`{form.tracer}` is not the trace's tracer")
+    also: tuple[int, ...] = ()
+    if form.over is not None:
+        found = _layers(form, scope, model, tables)
+        if isinstance(found, Unlowered):
+            return found
+        scope, also = found
     path = _site(form.tap, scope, model)
     if path is None:
         return Unlowered(
@@ -115,7 +123,42 @@ def lower(
         return LoweredBlock(path, lowered, None)
     lowered.select = form.select  # one row of each step, or None: every row
     vector = _vector(form, scope, tables.hidden, dtype, tables.device)
-    return _VECTOR if vector is None else LoweredBlock(path, lowered, vector)
+    return _VECTOR if vector is None else LoweredBlock(path, lowered, vector, also)
+
+
+def _layers(
+    form: Form, scope: dict[str, Any], model: Any, tables: Any
+) -> tuple[dict[str, Any], tuple[int, ...]] | Unlowered:
+    """Steering over several layers: the scope with the loop's name at its first
+    layer, and the taps of the others. The layers must be taps the model reaches
+    one after the other: whole numbers, each once, in increasing order (Python
+    would add twice, or wait for a layer already run)."""
+    name, spec = form.over
+    if isinstance(spec, Index):
+        value = scope.get(spec.name)
+        numbers = list(value) if type(value) in (list, tuple, range) else None
+    elif spec[0] == "range":
+        numbers = None if "range" in scope else list(range(*spec[1:]))  # the builtin only
+    else:
+        numbers = list(spec)
+    if not numbers or any(type(n) is not int or n < 0 for n in numbers) or numbers != sorted(set(numbers)):
+        return Unlowered("form", "its layers are not whole numbers, each once, in increasing order")
+    sites = []
+    for number in numbers:
+        path = _site(form.tap, {**scope, name: number}, model)
+        if path is None:
+            return Unlowered(
+                "form", f"`{_written(form.tap)}` is not a module of the model found by plain attributes"
+            )
+        site = tables.site_of.get(path)
+        if site is None:
+            return _not_a_tap(path)
+        if not tables.means(site, form.whole):
+            return Unlowered("form", f"it reads `model.{path}.output` other than as the tap's value")
+        sites.append(site)
+    if sites != sorted(set(sites)):
+        return Unlowered("form", "its layers are not taps in the order the model runs them")
+    return {**scope, name: numbers[0]}, tuple(sites[1:])
 
 
 def _not_a_tap(path: str) -> Unlowered:

@@ -151,7 +151,7 @@ class Lowering:
             why = COPIES
         elif lowered.code and room <= 0:
             why = UNSIZED
-        elif not tables.add(request.id, lowered, block.vector, room):
+        elif not tables.add(request.id, lowered, block.vector, room, block.also):
             why = NO_ROOM
         if why is not None:
             self.paths.python(request.id, *why)
