@@ -121,6 +121,8 @@ def test_steering_several_layers_in_a_loop_is_recognised(source, over):
         "for _ in tracer.iter[:4]:\n    for i in (8, 10):\n        model.model.layers[i].output[0][:] += v\n"
         "    else:\n        pass\n",
         "for i in (8, 10):\n    model.model.layers[i].output[0][:] += v\n",  # no step loop
+        # the steps read a name the inner loop rebinds (Python reads the captured one)
+        "for _ in tracer.iter[:i]:\n    for i in (8, 10):\n        model.model.layers[i].output[0][:] += v\n",
     ],
 )
 def test_other_loops_over_layers_run_as_python(source):

@@ -163,8 +163,11 @@ def _steering(body: list[ast.stmt]) -> Form | None:
         return None
     if _reads(tap, start, stop) & {target, tracer, alias} or names & {target, tracer, alias}:
         return None
-    if over is not None and (over[0] in names | {target, tracer, alias} or not _indexes_layers(tap, over[0])):
-        return None  # the vector reads the layer, or the loop is not over the layers
+    bounds = {part.name for part in (start, stop) if isinstance(part, Index)}
+    if over is not None and (
+        over[0] in names | bounds | {target, tracer, alias} or not _indexes_layers(tap, over[0])
+    ):
+        return None  # the vector or the steps read the layer, or the loop is not over the layers
     vector = ast.Expression(body=edit.value)
     ast.fix_missing_locations(vector)
     return Form(
