@@ -946,7 +946,7 @@ def test_the_output_says_which_path_each_request_took_and_why(smollm2_llm, smol)
 
     torch.manual_seed(5)
     vector = torch.randn(576)
-    half = vector.half()
+    half = vector.half().to(DEVICE)  # where the engine runs: only its dtype differs
     (before,) = smollm2_llm.collective_rpc("nnsight_stats")
     with smol.trace(temperature=0.0, max_tokens=2) as tracer:
         with tracer.invoke(PROMPT):
