@@ -145,6 +145,22 @@ def test_a_lowered_capture_keeps_every_step_compiled(compiled):
         assert torch.allclose(a, b, atol=1e-3, rtol=1e-4)
 
 
+def test_a_read_served_at_the_sampler_keeps_every_step_compiled(compiled):
+    """A block that computes from one tap gets the rows the compiled forward kept."""
+    from tests.test_taps_replay import norms_each_step
+
+    model = VLLM(compiled)
+    (before,) = compiled.collective_rpc("nnsight_stats")
+    norms, result = norms_each_step(model, twin=False)
+    (after,) = compiled.collective_rpc("nnsight_stats")
+    assert result.nnsight_path["form"] == "replay"
+    assert after["uncompiled_steps"] == before["uncompiled_steps"]
+    assert after["taps_served_at_sampler"] - before["taps_served_at_sampler"] == 4
+    want, _ = norms_each_step(model, twin=True)
+    for a, b in zip(norms, want, strict=True):  # compiled and Python steps fuse differently
+        assert torch.allclose(a, b, atol=1e-3, rtol=1e-4)
+
+
 def test_an_operation_tap_is_lowered_and_every_step_stays_compiled(compiled):
     from tests.test_taps_source import keep_lowered as keep_operations
     from tests.test_taps_source import keep_python as keep_operations_python

@@ -61,6 +61,21 @@ def read_blocks(model, prompts):
     return tracer.prepared
 
 
+def served_blocks(model, prompts):
+    """:func:`read_blocks` at the tapped layer, computing from what it reads: each
+    is served the tap's rows at the sampler (``taps/replay.py``)."""
+    with model.requests(temperature=0.0, max_tokens=TOKENS, ignore_eos=True) as tracer:
+        for prompt in prompts:
+            with tracer.invoke(prompt):
+                rows = list().save()
+                shapes = list().save()
+                for _ in tracer.iter[:TOKENS]:
+                    hidden = model.model.layers[10].output[0]
+                    shapes.append(tuple(hidden.shape))
+                    rows.append(hidden[-1] * 1.0)
+    return tracer.prepared
+
+
 def write_blocks(model, prompts):
     """Blocks that write at a layer with no tap (so they run as Python): a write
     that changes nothing, which a recompute could still not be trusted to replay."""
@@ -134,6 +149,27 @@ def test_a_reading_block_goes_on_through_a_recompute_as_if_alone(small_kv):
         # kernels' own rounding (about 1e-7 relative on a CPU, 1e-4 on a GPU).
         assert (got - expected).norm() / expected.norm() < 1e-3
     assert stats(small_kv)["tracked"] == 0
+
+
+def test_a_block_served_at_the_sampler_goes_on_through_a_recompute_as_if_alone(small_kv):
+    model = VLLM(small_kv)
+    prepared = served_blocks(model, PROMPTS)
+    before = stats(small_kv)
+    outputs = small_kv.generate(prepared.prompts, prepared.params, use_tqdm=False)
+    after = stats(small_kv)
+    assert after["lowered_by"]["replay"] - before["lowered_by"]["replay"] == len(PROMPTS)
+    assert after["resumed"] > before["resumed"]  # the scheduler did preempt
+    assert after["continued_blocks"] - before["continued_blocks"] >= 1
+    assert after["preempted_blocks"] == before["preempted_blocks"]
+    for output, prompt in zip(outputs, PROMPTS):
+        saves = vllm_nnsight_plugin.saves(output)
+        assert saves["shapes"] == [(prompt_rows(small_kv, prompt), 576)] + [(1, 576)] * (TOKENS - 1)
+        assert list(output.outputs[0].token_ids) == alone(small_kv, prompt)
+        alone_prepared = served_blocks(model, [prompt])
+        want = small_kv.generate(alone_prepared.prompts, alone_prepared.params, use_tqdm=False)[0]
+        got, expected = torch.stack(saves["rows"]), torch.stack(vllm_nnsight_plugin.saves(want)["rows"])
+        assert (got - expected).norm() / expected.norm() < 1e-3  # as for the Python path above
+    assert stats(small_kv)["tracked"] == 0 and stats(small_kv)["lowered_now"] == 0
 
 
 def test_a_block_that_writes_ends_with_a_clear_error_when_preempted(small_kv):

@@ -1068,6 +1068,7 @@ def test_a_keep_beside_the_samples_is_split_and_keeps_what_python_keeps(smollm2_
         python_rows = list().save()
         python_drawn = list().save()
         for _ in tracer.iter[:4]:
+            smol.model.embed_tokens.output.clone()  # no tap: the block runs as Python
             hidden = smol.model.layers[10].output[0]
             python_rows.append(hidden[-1].clone())
             python_drawn.append(smol.samples.item())

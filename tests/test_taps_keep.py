@@ -39,6 +39,7 @@ def keep_python(model, layer, steps, tokens):
     with model.trace(PROMPT, temperature=0.0, max_tokens=tokens) as tracer:
         hidden = list().save()
         for _ in tracer.iter[:steps]:
+            model.model.embed_tokens.output.clone()  # no tap: the block runs as Python
             out = model.model.layers[layer].output
             hidden.append(out[0].clone())
     return hidden
@@ -60,6 +61,7 @@ def stream_python(model, layer, tokens):
     with model.trace(PROMPT, temperature=0.0, max_tokens=tokens) as tracer:
         stream = list().save()
         for _ in tracer.all():
+            model.model.embed_tokens.output.clone()  # no tap: the block runs as Python
             hidden, residual = model.model.layers[layer].output
             stream.append(hidden + residual)
         out = tracer.result.save()
@@ -81,6 +83,7 @@ def residual_python(model, layer, tokens):
     with model.trace(PROMPT, temperature=0.0, max_tokens=tokens) as tracer:
         residual = list().save()
         for _ in tracer.iter[1:]:
+            model.model.embed_tokens.output.clone()  # no tap: the block runs as Python
             out = model.model.layers[layer].output
             residual.append(out[1].clone())
     return residual
@@ -95,6 +98,7 @@ def first_lowered(model, tokens):
 
 def first_python(model, tokens):
     with model.trace(PROMPT, temperature=0.0, max_tokens=tokens) as tracer:
+        model.model.embed_tokens.output.clone()  # no tap: the block runs as Python
         hidden = model.model.layers[10].output[0]
         last = hidden[-1].clone().save()
         out = tracer.result.save()
@@ -117,11 +121,13 @@ def last_rows_python(model, tokens):
     with model.trace(PROMPT, temperature=0.0, max_tokens=tokens) as tracer:
         last = list().save()
         for _ in tracer.iter[:tokens]:
+            model.model.embed_tokens.output.clone()  # no tap: the block runs as Python
             hidden = model.model.layers[10].output[0]
             last.append(hidden[-1].clone())
     with model.trace(PROMPT, temperature=0.0, max_tokens=tokens) as tracer:
         first = list().save()
         for _ in tracer.all():
+            model.model.embed_tokens.output.clone()  # no tap: the block runs as Python
             hidden, residual = model.model.layers[20].output
             first.append((hidden + residual)[0])
     return last, first
@@ -195,6 +201,7 @@ def test_kept_and_other_requests_in_one_trace(smollm2_llm, smol):
         with tracer.invoke(PROMPT):
             read = list().save()
             for _ in tracer.iter[:4]:
+                smol.model.embed_tokens.output.clone()  # no tap: the block runs as Python
                 out = smol.model.layers[10].output
                 read.append(out[0].clone())
         with tracer.invoke("Water boils at"):
@@ -279,6 +286,7 @@ def keep_until_stop_python(model, stop):
     with model.trace(PROMPT, temperature=0.0, max_tokens=6, stop_token_ids=[stop]) as tracer:
         rows = list().save()
         for _ in tracer.iter[:6]:
+            model.model.embed_tokens.output.clone()  # no tap: the block runs as Python
             out = model.model.layers[10].output
             rows.append(out[0].clone())
     return rows

@@ -96,6 +96,9 @@ class TapTables:
         self._stride = np.ones(entries, dtype=np.int64)  # store rows per kept token row
         self._first = np.zeros(entries, dtype=np.int64)  # rows of its first forward
         self._pick = np.zeros(entries, dtype=np.int64)  # keeps all its rows (0), the last (1), the first (2)
+        #: keeps each step's rows at the start of its region, over the last step's
+        #: (a block served them at the sampler: ``replay.py``)
+        self._ring = np.zeros(entries, dtype=bool)
         self.free = list(range(entries - 1, -1, -1))
         self.requests: dict[str, Lowered] = {}
         self._entry_of: dict[str, int] = {}
@@ -114,6 +117,7 @@ class TapTables:
             self._stride,
             self._first,
             self._pick,
+            self._ring,
         )
         self._lowered: list[Lowered | None] = [None] * entries
         self.kept_rows = 0
@@ -152,6 +156,7 @@ class TapTables:
         self._base[entry], self._room[entry] = lowered.base, lowered.rows
         self._stride[entry] = lowered.stride
         self._pick[entry] = _PICKS[lowered.select] if picks_a_row(lowered) else 0
+        self._ring[entry] = lowered.replay
         self.requests[request_id] = lowered
         self._entry_of[request_id] = entry
         self._lowered[entry] = lowered
@@ -296,7 +301,7 @@ class TapTables:
             table[slab[keeping], 2, site[keeping]] = np.where(fits, self._base[kept] + place, 0)
             mine = self._kind[entries] == 1  # entries appear once each: add per entry
             added = np.where(self._pick[entries] == 0, counts, 1)[mine]
-            self._done[entries[mine]] += added
+            self._done[entries[mine]] += np.where(self._ring[entries[mine]], 0, added)
             self.kept_rows += int(added.sum())
         return int((starts + counts).max())
 

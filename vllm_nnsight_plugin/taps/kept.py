@@ -47,6 +47,9 @@ class Lowered:
     select: Any = None  # the index applied to a step's rows: a single read's, or each step's row
     single: bool = False  # one value (a read in the body), not a list of steps
     cache: str | None = None  # a ``tracer.cache`` of the tap: the module's path in it
+    #: its block reads the tap at the sampler: each step's rows are kept at the
+    #: start of its region, over the step before's (``replay.py``)
+    replay: bool = False
     entry: int = -1  # its row in the tables' per-request arrays (and the bank)
     base: int = 0  # keeping: its region of the store
     rows: int = 0
@@ -75,6 +78,12 @@ def _lengths(lowered: Lowered, steps: int, first: int) -> list[int]:
 def picks_a_row(lowered: Lowered) -> bool:
     """A keep of one row of each step (``<kept>[-1]``), not of all of them."""
     return lowered.select is not None and not lowered.single
+
+
+def step_rows(lowered: Lowered, store: Any, count: int) -> tuple[Any, Any]:
+    """A replayed request's ``count`` rows of this step, as the tap's two outputs."""
+    pairs = store[lowered.base : lowered.base + 2 * count].view(count, 2, -1)
+    return pairs[:, 0], pairs[:, 1]
 
 
 def kept_saves(lowered: Lowered, store: Any, steps: int, done: int, first: int) -> dict[str, Any]:

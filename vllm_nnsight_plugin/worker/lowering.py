@@ -37,7 +37,7 @@ class Lowering:
     def __init__(self, runner: Any) -> None:
         self.runner = runner
         self.count = 0
-        self.by_form = {"steer": 0, "keep": 0, "read": 0, "cache": 0}
+        self.by_form = {"steer": 0, "keep": 0, "read": 0, "cache": 0, "replay": 0}
         self.known: OrderedDict[bytes, Any] = OrderedDict()
         #: Blocks are served copies of what they read (``NNSIGHT_VLLM_CLONE_READS``):
         #: an in-place edit is then lost, as nnsight documents, so no steering
@@ -47,6 +47,8 @@ class Lowering:
         self.paths = Paths()
         #: Lowered requests with statements left to Python at the sampler.
         self.mixed: set[str] = set()
+        #: Requests whose block reads a tap at the sampler (``taps/replay.py``).
+        self.replays: dict[str, Any] = {}
 
     def lower(
         self, request: Any, tables: Any, model: Any, rows: int, most: int, digest: bytes | None = None
@@ -75,8 +77,8 @@ class Lowering:
         )
         if isinstance(block, Unlowered):
             rest = self._split(request, tables, model, block)
-            if rest is None:
-                return False
+            if isinstance(rest, Unlowered):
+                return self._replay(request, tables, model, most, rest)
             block, rest_mediator = rest
             if not self._add(request, tables, for_request(block), rows, most, rest_mediator):
                 return False
@@ -99,10 +101,11 @@ class Lowering:
         self.unloaded += added
         return added
 
-    def _split(self, request: Any, tables: Any, model: Any, why: Any) -> tuple[Any, Any] | None:
+    def _split(self, request: Any, tables: Any, model: Any, why: Any) -> tuple[Any, Any] | Any:
         """A block whose statements on taps are one of the forms, beside statements
         the sampler serves: the first part lowered, the rest left to Python there
-        (``taps.forms.split``). None, with ``why`` recorded, where it has no such split."""
+        (``taps.forms.split``). Where it has no such split, why it runs as Python:
+        ``why``, or its part on the taps' reason."""
         from ..taps.forms import split
         from ..taps.lower import Unlowered, lower
         from . import _nnsight as nns
@@ -116,15 +119,44 @@ class Lowering:
             block = lower(parts.taps, scope, model, nns.InterleavingTracer, tables, seams.model_dtype(self.runner))
         if parts is None or isinstance(block, Unlowered):
             # Where it splits, its part on the taps says more than the whole block.
-            why = block if isinstance(block, Unlowered) else why
-            self.paths.python(request.id, why.kind, why.reason)
-            return None
+            return block if isinstance(block, Unlowered) else why
         rest = nns.with_source(mediator, parts.rest)
         read(rest, model)
         if rest.needs_forward:  # the rest reaches the model after all
-            self.paths.python(request.id, why.kind, why.reason)
-            return None
+            return why
         return block, rest
+
+    def _replay(self, request: Any, tables: Any, model: Any, most: int, why: Any) -> bool:
+        """A block that reads one tap and writes nothing into the forward: its rows
+        are kept on the tables and it runs as Python at the sampler, served them
+        there (``taps/replay.py``); else ``why`` is recorded."""
+        from ..taps.kept import Lowered
+        from ..taps.ops import KEEP_BOTH
+        from ..taps.replay import replayable
+        from . import _nnsight as nns
+
+        mediator = request.mediator
+        site = None
+        if not getattr(mediator, "may_write", True) and not mediator.caches:
+            site = replayable(nns.block_source(mediator), nns.block_scope(mediator), model, tables)
+        if not isinstance(site, int):
+            self.paths.python(request.id, why.kind, why.reason)
+            return False
+        lowered = Lowered(site, 0, None, None, code=KEEP_BOTH, replay=True)
+        room = most * lowered.stride  # a whole recompute's rows fit: its prompt and tokens
+        if room <= 0:
+            self.paths.python(request.id, *UNSIZED)
+            return False
+        if not tables.add(request.id, lowered, None, room):
+            self.paths.python(request.id, *NO_ROOM)
+            return False
+        mediator.needs_forward = False  # served at the sampler: the forward stays compiled
+        self.replays[request.id] = lowered
+        self.mixed.add(request.id)
+        self.count += 1
+        self.by_form["replay"] += 1
+        self.paths.lowered(request.id, "replay")
+        return True
 
     def _may_lower(self, request: Any) -> bool:
         if request.copies or request.index != 0 or request.engine_id != request.stem:
@@ -185,6 +217,7 @@ class Lowering:
                 if taken is None:
                     continue
                 self.mixed.discard(internal)
+                self.replays.pop(internal, None)
                 lowered, steps = taken
                 steps = min(steps, (counted or {}).get(internal, steps))
                 request = requests.requests.get(internal)

@@ -18,6 +18,9 @@ when nothing it did is missing from them:
   added to each of those rows when it was first computed. (A lowered loop with an
   end counts forwards, and a recompute split by chunked prefill would add one, so
   it is not trusted to end where it should; a lowered keep has no row to skip.)
+- a block served a tap's rows at the sampler (``taps/replay.py``): a Python
+  block that writes nothing, so it goes on as one; the tables keep the
+  recompute's rows as any step's;
 - a request whose block already ended (refused, or failed): nothing of it runs.
 
 Any other block (one that may have written on an earlier step, which the
@@ -51,7 +54,7 @@ def refuse_resumed(
         if request is None or request.error is not None:
             continue
         lowered = None if tables is None else tables.requests.get(request_id)
-        if lowered is not None:
+        if lowered is not None and not lowered.replay:  # a replayed block goes on as Python
             if _replayed_exactly(lowered):
                 continue
             taken = tables.forget(request_id)

@@ -83,6 +83,7 @@ class WorkerRuntime:
         # Unset or empty: on (an empty value is how a shell unsets it for a child).
         self.eager_steps = bool(settings.value(_EAGER_STEPS_ENV))
         self.python_steps = 0
+        self.served_at_sampler = 0  # taps served to blocks at the sampler (``taps/replay.py``)
         self.resumed = self.preempted = 0  # requests resumed after a preemption; blocks it ended
         self.recomputing: set[str] = set()  # resumed requests whose blocks go on, until the recompute ends
         self.continued = 0  # blocks that went on through a recompute
@@ -155,8 +156,9 @@ class WorkerRuntime:
             return
         if new_block:
             self._admit(scheduler_output)
-        python = not self.eager and self.eager_steps and self._forward_wanted(scheduler_output)
-        self.step = Step(scheduler_output, python=python)
+        forward = self._forward_wanted(scheduler_output)
+        python = not self.eager and self.eager_steps and forward
+        self.step = Step(scheduler_output, python=python, forward=forward)
         self.adapter.ask_eager(self.runner, python)
 
     def _admit(self, scheduler_output: Any) -> None:
@@ -283,7 +285,7 @@ class WorkerRuntime:
             if self.kernels is not None:
                 self.kernels.use()
             self.python_steps += 1
-        if step.phase is Phase.SCHEDULED:
+        if step.phase is Phase.SCHEDULED and step.forward:
             self._start(step)
 
     def _start(self, step: Step) -> None:
@@ -321,6 +323,9 @@ class WorkerRuntime:
         interleaver.mediators = []
         interleaver.__enter__()
         step.phase = Phase.FORWARD
+        step.spans = spans
+        if self.lowering.replays:
+            step.visits = dict(interleaver.counts)
         requests.scope(self.model, spans)
         if last:
             narrow(requests, spans, last)
@@ -337,6 +342,8 @@ class WorkerRuntime:
         if step.phase is not Phase.FORWARD:
             return None
         model = self.model
+        if self.lowering.replays:
+            self._replay(step)
         self.requests.unflatten(model)
         model.interleaver.__exit__(None, None, None)
         step.phase = Phase.SAMPLING
@@ -350,6 +357,35 @@ class WorkerRuntime:
             logits.copy_(new)
             return None
         return new
+
+    def _replay(self, step: Step) -> None:
+        """Serve each tap that blocks read at the sampler, where the forward did not
+        reach it (compiled, or graphed): its value for this step, the kept rows of
+        those blocks' requests at their rows of the slab, the taps in model order
+        (``taps/replay.py``)."""
+        from ..taps.kept import step_rows
+
+        tables, replays = self.tables, self.lowering.replays
+        at: dict[int, list[tuple[int, int, Any]]] = {}
+        offset = 0
+        for request_id, count in step.spans:
+            lowered = replays.get(request_id)
+            if lowered is not None and count:
+                at.setdefault(lowered.site, []).append((offset, count, lowered))
+            offset += count
+        interleaver = self.model.interleaver
+        for site in sorted(at):
+            location = f"{self.model.path}.{tables.sites[site]}.output"
+            if interleaver.counts.get(location, 0) != step.visits.get(location, 0):
+                continue  # the forward ran as Python and served it there
+            hidden = tables.store.new_zeros((offset, tables.store.shape[-1]))
+            residual = hidden.new_zeros(hidden.shape)
+            for start, count, lowered in at[site]:
+                first, second = step_rows(lowered, tables.store, count)
+                hidden[start : start + count] = first
+                residual[start : start + count] = second
+            interleaver.handle(location, (hidden, residual))
+            self.served_at_sampler += 1
 
     def _on_samples(self, sampled: Any) -> Any:
         """The ``[requests, 1]`` tokens the sampler drew; a tensor back replaces them."""
@@ -492,6 +528,7 @@ class WorkerRuntime:
             "tracked": self.tracked(),
             "compiled_engine": not self.eager,
             "uncompiled_steps": self.python_steps,
+            "taps_served_at_sampler": self.served_at_sampler,
             "resumed": self.resumed,
             "preempted_blocks": self.preempted,
             "continued_blocks": self.continued,

@@ -42,6 +42,14 @@ class Step:
     filled: Any = None
     #: Requests whose sample this step vLLM throws away (a chunk before the prompt's end).
     discarded: list[str] = field(default_factory=list)
+    #: A block in this step may ask for a module location during the forward: the
+    #: interleaver opens for it. Otherwise it opens at the sampler.
+    forward: bool = True
+    #: The step's (request id, token rows) in slab order, once the interleaver opened.
+    spans: list[tuple[str, int]] = field(default_factory=list)
+    #: How often the interleaver had reached each location when it opened: a tap
+    #: the forward did not reach is served at the sampler (``taps/replay.py``).
+    visits: dict[str, int] = field(default_factory=dict)
 
     @property
     def open(self) -> bool:

@@ -1,0 +1,171 @@
+"""Blocks that only read a tap, whatever they compute from it, are served the tap's
+rows at the sampler while the forward stays compiled (``taps/replay.py``); each
+is checked bit for bit against its Python twin on the session's tapped engine:
+the same block with one more read of a location that is not a tap, which sends
+it down the Python path and changes nothing it computes."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.engines import BATCHED
+from vllm_nnsight_plugin.taps.lower import Unlowered
+from vllm_nnsight_plugin.taps.replay import replayable
+
+PROMPTS = ["The capital of France is", "Water boils at"]
+REPLAY = {"lowered": True, "form": "replay", "reason": None}
+
+
+def stats(llm) -> dict:
+    (found,) = llm.collective_rpc("nnsight_stats")
+    return found
+
+
+def stream_and_token(model, twin: bool):
+    """The docs' first read: the residual stream leaving layer 20 and the drawn token."""
+    if twin:
+        return stream_and_token_as_python(model)
+    with model.trace(temperature=0.0, max_tokens=1) as tracer:
+        with tracer.invoke(PROMPTS[0]):
+            s0 = sum(model.model.layers[20].output).save()
+            t0 = model.logits.argmax(-1).save()
+            r0 = tracer.result.save()
+        with tracer.invoke(PROMPTS[1]):
+            s1 = sum(model.model.layers[20].output).save()
+            t1 = model.logits.argmax(-1).save()
+            r1 = tracer.result.save()
+    return [s0, s1], [t0, t1], [r0, r1]
+
+
+def stream_and_token_as_python(model):
+    with model.trace(temperature=0.0, max_tokens=1) as tracer:
+        with tracer.invoke(PROMPTS[0]):
+            model.model.layers[5].output[0].clone()  # not a tap: Python
+            s0 = sum(model.model.layers[20].output).save()
+            t0 = model.logits.argmax(-1).save()
+            r0 = tracer.result.save()
+        with tracer.invoke(PROMPTS[1]):
+            model.model.layers[5].output[0].clone()
+            s1 = sum(model.model.layers[20].output).save()
+            t1 = model.logits.argmax(-1).save()
+            r1 = tracer.result.save()
+    return [s0, s1], [t0, t1], [r0, r1]
+
+
+def norms_each_step(model, twin: bool, steps: int = 4):
+    if not twin:
+        with model.trace(PROMPTS[0], temperature=0.0, max_tokens=steps) as tracer:
+            norms = list().save()
+            for _ in tracer.iter[:steps]:
+                out = model.model.layers[10].output
+                norms.append((out[0] + out[1]).float().norm(dim=-1))
+            result = tracer.result.save()
+        return norms, result
+    with model.trace(PROMPTS[0], temperature=0.0, max_tokens=steps) as tracer:
+        norms = list().save()
+        for _ in tracer.iter[:steps]:
+            model.model.layers[5].output[0].clone()
+            out = model.model.layers[10].output
+            norms.append((out[0] + out[1]).float().norm(dim=-1))
+        result = tracer.result.save()
+    return norms, result
+
+
+def test_a_read_with_computation_is_served_at_the_sampler_and_equals_python(smollm2_llm, smol):
+    before = stats(smollm2_llm)
+    streams, tokens, results = stream_and_token(smol, twin=False)
+    after = stats(smollm2_llm)
+    assert after["lowered_by"]["replay"] - before["lowered_by"]["replay"] == 2
+    # once per step at the sampler, both requests' rows in one value where they share it
+    assert after["taps_served_at_sampler"] - before["taps_served_at_sampler"] in (1, 2)
+    assert after["uncompiled_steps"] == before["uncompiled_steps"]
+    assert after["python_blocks"] == before["python_blocks"]
+    assert all(r.nnsight_path == REPLAY for r in results)
+    want_streams, want_tokens, want_results = stream_and_token(smol, twin=True)
+    assert stats(smollm2_llm)["python_blocks"] - after["python_blocks"] == 2
+    for got, want in zip(streams, want_streams):
+        assert got.shape == want.shape and got.shape[0] > 1  # every prompt row
+        torch.testing.assert_close(got, want, **BATCHED)  # two requests: batched either way
+    assert [t.tolist() for t in tokens] == [t.tolist() for t in want_tokens]
+    for got, want in zip(results, want_results):
+        assert list(got.outputs[0].token_ids) == list(want.outputs[0].token_ids)
+    assert stats(smollm2_llm)["tracked"] == 0 and stats(smollm2_llm)["lowered_now"] == 0
+
+
+def test_a_loop_of_reads_is_served_every_step_and_equals_python_bit_for_bit(smollm2_llm, smol):
+    before = stats(smollm2_llm)["taps_served_at_sampler"]
+    norms, result = norms_each_step(smol, twin=False)
+    assert result.nnsight_path == REPLAY
+    assert stats(smollm2_llm)["taps_served_at_sampler"] - before == 4
+    want, want_result = norms_each_step(smol, twin=True)
+    assert len(norms) == len(want) == 4
+    assert norms[0].shape[0] == want[0].shape[0] > 1 and all(n.shape == (1,) for n in norms[1:])
+    for got, expected in zip(norms, want):
+        assert torch.equal(got, expected)
+    assert list(result.outputs[0].token_ids) == list(want_result.outputs[0].token_ids)
+
+
+def test_beside_a_python_block_the_forward_serves_it_and_nothing_is_served_twice(smollm2_llm, smol):
+    """A step with a Python block runs the forward as Python: the replayed block is
+    served there, and not again at the sampler (which would move it a step on)."""
+    before = stats(smollm2_llm)["taps_served_at_sampler"]
+    with smol.trace(temperature=0.0, max_tokens=3) as tracer:
+        with tracer.invoke(PROMPTS[0]):
+            norms = list().save()
+            for _ in tracer.iter[:3]:
+                out = smol.model.layers[10].output
+                norms.append((out[0] + out[1]).float().norm(dim=-1))
+            served = tracer.result.save()
+        with tracer.invoke(PROMPTS[1]):
+            for _ in tracer.iter[:3]:
+                smol.model.layers[5].output[0].clone()
+    assert served.nnsight_path == REPLAY
+    # The two requests of one trace share their steps once both are in (the first
+    # may run alone): on a shared step the forward served the tap.
+    assert stats(smollm2_llm)["taps_served_at_sampler"] - before < 3
+    want, _ = norms_each_step(smol, twin=True, steps=3)
+    assert len(norms) == 3
+    for got, expected in zip(norms, want):
+        torch.testing.assert_close(got, expected, **BATCHED)  # batched otherwise
+
+
+def test_what_is_not_served_at_the_sampler_runs_as_python(smollm2_llm, smol):
+    """A write, a module call, a parameter, two taps: each stays on the Python path."""
+    paths = []
+    with smol.trace(PROMPTS[0], temperature=0.0, max_tokens=1) as tracer:
+        out = smol.model.layers[10].output
+        out[0][:] = out[0] * 1.0
+        paths.append(tracer.result.save())
+    with smol.trace(PROMPTS[0], temperature=0.0, max_tokens=1) as tracer:
+        smol.model.norm(smol.model.layers[10].output[0]).save()
+        paths.append(tracer.result.save())
+    with smol.trace(PROMPTS[0], temperature=0.0, max_tokens=1) as tracer:
+        (smol.model.layers[10].output[0] @ smol.lm_head.weight.T).save()
+        paths.append(tracer.result.save())
+    with smol.trace(PROMPTS[0], temperature=0.0, max_tokens=1) as tracer:
+        (smol.model.layers[10].output[0] + smol.model.layers[20].output[0]).save()
+        paths.append(tracer.result.save())
+    for i, result in enumerate(paths):
+        assert not result.nnsight_path["lowered"] and result.nnsight_path["reason"], i
+
+
+def test_replayable_reads_the_block_not_its_spelling(smollm2_llm, smol):
+    """The check alone, on stand-in tables: the tap is found through a captured
+    envoy or index, and anything else on the model is named."""
+    import nnsight
+
+    class Tables:
+        site_of = {"model.layers.10": 0, "model.layers.20": 3}
+        tuple_sites = frozenset({0, 3})
+
+    layer = 20
+    scope = {"model": smol, "layer": layer, "block": smol.model.layers[10], "nnsight": nnsight}
+    assert replayable("x = sum(model.model.layers[layer].output).save()", scope, smol, Tables) == 3
+    assert replayable("x = block.output[0].norm().save()", scope, smol, Tables) == 0
+    assert replayable("t = model.logits.argmax(-1).save()\nx = block.output", scope, smol, Tables) == 0
+    not_a_tap = replayable("x = model.model.layers[3].output[0].save()", scope, smol, Tables)
+    assert isinstance(not_a_tap, Unlowered) and not_a_tap.kind == "not_a_tap"
+    called = replayable("x = model.model.norm(block.output[0])", scope, smol, Tables)
+    assert isinstance(called, Unlowered) and "calls a module" in called.reason
+    weight = replayable("x = block.output[0] @ model.lm_head.weight", scope, smol, Tables)
+    assert isinstance(weight, Unlowered) and "other than through a tap" in weight.reason
