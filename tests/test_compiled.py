@@ -161,6 +161,22 @@ def test_a_read_served_at_the_sampler_keeps_every_step_compiled(compiled):
         assert torch.allclose(a, b, atol=1e-3, rtol=1e-4)
 
 
+def test_the_logit_lens_served_at_the_sampler_keeps_every_step_compiled(compiled):
+    """The norm and unembedding a block calls run at the sampler with the kernels of
+    a Python step, on the rows the compiled forward kept."""
+    from tests.test_taps_replay import lens
+
+    model = VLLM(compiled)
+    before = uncompiled_steps(compiled)
+    guesses, result = lens(model, twin=False)
+    assert result.nnsight_path["form"] == "replay" and uncompiled_steps(compiled) == before
+    want, want_result = lens(model, twin=True)
+    for got, expected in zip(guesses, want, strict=True):
+        assert torch.equal(got.indices, expected.indices)
+        assert torch.allclose(got.values, expected.values, atol=1e-3, rtol=1e-4)
+    assert list(result.outputs[0].token_ids) == list(want_result.outputs[0].token_ids)
+
+
 def test_an_operation_tap_is_lowered_and_every_step_stays_compiled(compiled):
     from tests.test_taps_source import keep_lowered as keep_operations
     from tests.test_taps_source import keep_python as keep_operations_python

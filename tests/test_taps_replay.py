@@ -105,6 +105,39 @@ def test_a_loop_of_reads_is_served_every_step_and_equals_python_bit_for_bit(smol
     assert list(result.outputs[0].token_ids) == list(want_result.outputs[0].token_ids)
 
 
+def two_layers(model, twin: bool):
+    if not twin:
+        with model.trace(PROMPTS[1], temperature=0.0, max_tokens=3) as tracer:
+            moved = list().save()
+            for _ in tracer.iter[:3]:
+                early = model.model.layers[10].output
+                late = model.model.layers[20].output
+                moved.append(((late[0] + late[1]) - (early[0] + early[1])).norm(dim=-1))
+            result = tracer.result.save()
+        return moved, result
+    with model.trace(PROMPTS[1], temperature=0.0, max_tokens=3) as tracer:
+        moved = list().save()
+        for _ in tracer.iter[:3]:
+            model.model.embed_tokens.output.clone()  # no tap: the block runs as Python
+            early = model.model.layers[10].output
+            late = model.model.layers[20].output
+            moved.append(((late[0] + late[1]) - (early[0] + early[1])).norm(dim=-1))
+        result = tracer.result.save()
+    return moved, result
+
+
+def test_a_block_reading_two_taps_is_served_both_in_model_order_bit_for_bit(smollm2_llm, smol):
+    before = stats(smollm2_llm)["taps_served_at_sampler"]
+    moved, result = two_layers(smol, twin=False)
+    assert result.nnsight_path == REPLAY
+    assert stats(smollm2_llm)["taps_served_at_sampler"] - before == 6  # two taps, three steps
+    want, want_result = two_layers(smol, twin=True)
+    assert len(moved) == len(want) == 3
+    for got, expected in zip(moved, want):
+        assert torch.equal(got, expected)
+    assert list(result.outputs[0].token_ids) == list(want_result.outputs[0].token_ids)
+
+
 def test_beside_a_python_block_the_forward_serves_it_and_nothing_is_served_twice(smollm2_llm, smol):
     """A step with a Python block runs the forward as Python: the replayed block is
     served there, and not again at the sampler (which would move it a step on)."""
@@ -130,42 +163,103 @@ def test_beside_a_python_block_the_forward_serves_it_and_nothing_is_served_twice
 
 
 def test_what_is_not_served_at_the_sampler_runs_as_python(smollm2_llm, smol):
-    """A write, a module call, a parameter, two taps: each stays on the Python path."""
+    """A write, a module used other than by a call, a parameter, a loop over the
+    layers: each stays on the Python path."""
     paths = []
     with smol.trace(PROMPTS[0], temperature=0.0, max_tokens=1) as tracer:
         out = smol.model.layers[10].output
         out[0][:] = out[0] * 1.0
         paths.append(tracer.result.save())
     with smol.trace(PROMPTS[0], temperature=0.0, max_tokens=1) as tracer:
-        smol.model.norm(smol.model.layers[10].output[0]).save()
+        str(smol.model.layers[3].self_attn)  # a module, other than called
+        smol.model.layers[10].output[0].norm().save()
         paths.append(tracer.result.save())
     with smol.trace(PROMPTS[0], temperature=0.0, max_tokens=1) as tracer:
         (smol.model.layers[10].output[0] @ smol.lm_head.weight.T).save()
         paths.append(tracer.result.save())
     with smol.trace(PROMPTS[0], temperature=0.0, max_tokens=1) as tracer:
-        (smol.model.layers[10].output[0] + smol.model.layers[20].output[0]).save()
+        for layer in smol.model.layers:
+            layer.output[0].norm().save()
         paths.append(tracer.result.save())
     for i, result in enumerate(paths):
         assert not result.nnsight_path["lowered"] and result.nnsight_path["reason"], i
 
 
+def lens(model, twin: bool):
+    """The docs' logit lens at a tap, every step: the norm and the unembedding called
+    inside the block."""
+    if not twin:
+        with model.trace(PROMPTS[0], temperature=0.0, max_tokens=3) as tracer:
+            guesses = list().save()
+            for _ in tracer.iter[:3]:
+                out = model.model.layers[20].output
+                logits = model.logits_processor(model.lm_head, model.model.norm(out[0] + out[1]))
+                guesses.append(logits.float().log_softmax(-1).max(-1))
+            result = tracer.result.save()
+        return guesses, result
+    with model.trace(PROMPTS[0], temperature=0.0, max_tokens=3) as tracer:
+        guesses = list().save()
+        for _ in tracer.iter[:3]:
+            model.model.embed_tokens.output.clone()  # no tap: the block runs as Python
+            out = model.model.layers[20].output
+            logits = model.logits_processor(model.lm_head, model.model.norm(out[0] + out[1]))
+            guesses.append(logits.float().log_softmax(-1).max(-1))
+        result = tracer.result.save()
+    return guesses, result
+
+
+def test_the_logit_lens_at_a_tap_is_served_at_the_sampler_bit_for_bit(smollm2_llm, smol):
+    """Modules called inside the block run at the sampler as they run in a Python
+    step: the same values."""
+    guesses, result = lens(smol, twin=False)
+    assert result.nnsight_path == REPLAY
+    want, want_result = lens(smol, twin=True)
+    assert len(guesses) == len(want) == 3 and guesses[0].values.shape[0] > 1
+    for got, expected in zip(guesses, want):
+        assert torch.equal(got.values, expected.values) and torch.equal(got.indices, expected.indices)
+    assert list(result.outputs[0].token_ids) == list(want_result.outputs[0].token_ids)
+
+
 def test_replayable_reads_the_block_not_its_spelling(smollm2_llm, smol):
-    """The check alone, on stand-in tables: the tap is found through a captured
-    envoy or index, and anything else on the model is named."""
+    """The check alone, on stand-in tables and modules: the tap is found through a
+    captured envoy or index, modules are called or handed to a module, and
+    anything else on the model is named."""
     import nnsight
 
     class Tables:
         site_of = {"model.layers.10": 0, "model.layers.20": 3}
         tuple_sites = frozenset({0, 3})
 
+    attention = torch.nn.Linear(2, 2)
+    attention.kv_cache = [torch.zeros(1)]  # as vLLM's attention layers hold theirs
+    modules = {
+        "model.norm": torch.nn.LayerNorm(2),
+        "lm_head": torch.nn.Linear(2, 2),
+        "logits_processor": torch.nn.Identity(),
+        "model.layers.3.self_attn": attention,
+    }
     layer = 20
     scope = {"model": smol, "layer": layer, "block": smol.model.layers[10], "nnsight": nnsight}
-    assert replayable("x = sum(model.model.layers[layer].output).save()", scope, smol, Tables) == 3
-    assert replayable("x = block.output[0].norm().save()", scope, smol, Tables) == 0
-    assert replayable("t = model.logits.argmax(-1).save()\nx = block.output", scope, smol, Tables) == 0
-    not_a_tap = replayable("x = model.model.layers[3].output[0].save()", scope, smol, Tables)
+
+    def check(source):
+        return replayable(source, scope, smol, Tables, modules.get)
+
+    assert check("x = sum(model.model.layers[layer].output).save()") == (3,)
+    assert check("x = block.output[0].norm().save()") == (0,)
+    assert check("t = model.logits.argmax(-1).save()\nx = block.output") == (0,)
+    two = "a = model.model.layers[20].output[0]\nb = block.output[1]\nx = (a - b).save()"
+    assert check(two) == (0, 3)  # in model order
+    lens = "x = model.logits_processor(model.lm_head, model.model.norm(block.output[0])).save()"
+    assert check(lens) == (0,)
+    not_a_tap = check("x = model.model.layers[3].output[0].save()")
     assert isinstance(not_a_tap, Unlowered) and not_a_tap.kind == "not_a_tap"
-    called = replayable("x = model.model.norm(block.output[0])", scope, smol, Tables)
-    assert isinstance(called, Unlowered) and "calls a module" in called.reason
-    weight = replayable("x = block.output[0] @ model.lm_head.weight", scope, smol, Tables)
+    attends = check("x = model.model.layers[3].self_attn(block.output[0])")
+    assert isinstance(attends, Unlowered) and "needs the forward" in attends.reason
+    weight = check("x = block.output[0] @ model.lm_head.weight")
     assert isinstance(weight, Unlowered) and "other than through a tap" in weight.reason
+    handed = check("x = block.output[0]\nprint(model.lm_head)")
+    assert isinstance(handed, Unlowered) and "other than by calling it" in handed.reason
+    entered = check("x = block.output[0]\ny = model.model.layers[3].input")
+    assert isinstance(entered, Unlowered) and "other than a tap's output" in entered.reason
+    no_modules = replayable(lens, scope, smol, Tables)
+    assert isinstance(no_modules, Unlowered)

@@ -135,15 +135,23 @@ class TapTables:
 
         A steering block brings its ``vector``; a keeping block needs ``room``
         rows of the store (all its request can produce). ``also``: other sites a
-        steering block adds the same vector at, each an entry of its own.
+        steering block adds the same vector at, or a block served at the sampler
+        keeps (``replay.py``: a region of ``room`` rows each), each an entry of
+        its own.
         """
-        if request_id in self.requests or len(self.free) < 1 + len(also) or (also and lowered.code):
+        if request_id in self.requests or len(self.free) < 1 + len(also):
+            return False
+        if also and lowered.code and not lowered.replay:
             return False
         if lowered.code:
-            base = self.regions.take(room) if room > 0 else None
-            if base is None:
+            bases = [self.regions.take(room) if room > 0 else None for _ in range(1 + len(also))]
+            if None in bases:
+                for base in bases:
+                    if base is not None:
+                        self.regions.give(base, room)
                 return False
-            lowered.base, lowered.rows = base, room
+            lowered.base, lowered.rows = bases[0], room
+            lowered.regions = tuple(zip((lowered.site, *also), bases))
         entry = lowered.entry = self.free.pop()
         if vector is not None:
             self.bank[entry].copy_(vector.detach().reshape(-1).to(torch.float32))
@@ -166,8 +174,11 @@ class TapTables:
                 for array in self._per_entry:
                     array[extra] = array[entry]
                 self._site[extra] = site
-                self._value[extra] = extra
-                self.bank[extra].copy_(self.bank[entry])
+                if lowered.code:  # a keep: its own region
+                    self._base[extra] = dict(lowered.regions)[site]
+                else:
+                    self._value[extra] = extra
+                    self.bank[extra].copy_(self.bank[entry])
                 self._lowered[extra] = lowered
         return True
 
@@ -217,7 +228,8 @@ class TapTables:
     def release(self, lowered: Lowered) -> None:
         """Give a forgotten request's region of the store back (its rows were read)."""
         if lowered.code and lowered.rows:
-            self.regions.give(lowered.base, lowered.rows)
+            for _, base in lowered.regions or ((lowered.site, lowered.base),):
+                self.regions.give(base, lowered.rows)
             lowered.rows = 0
 
     def overflowed(self, lowered: Lowered) -> bool:

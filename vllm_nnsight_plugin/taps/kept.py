@@ -50,6 +50,8 @@ class Lowered:
     #: its block reads the tap at the sampler: each step's rows are kept at the
     #: start of its region, over the step before's (``replay.py``)
     replay: bool = False
+    #: a keep over several taps: (site, base of its region) for each, in model order
+    regions: tuple[tuple[int, int], ...] = ()
     entry: int = -1  # its row in the tables' per-request arrays (and the bank)
     base: int = 0  # keeping: its region of the store
     rows: int = 0
@@ -80,9 +82,10 @@ def picks_a_row(lowered: Lowered) -> bool:
     return lowered.select is not None and not lowered.single
 
 
-def step_rows(lowered: Lowered, store: Any, count: int) -> tuple[Any, Any]:
-    """A replayed request's ``count`` rows of this step, as the tap's two outputs."""
-    pairs = store[lowered.base : lowered.base + 2 * count].view(count, 2, -1)
+def step_rows(base: int, store: Any, count: int) -> tuple[Any, Any]:
+    """A replayed request's ``count`` rows of this step at one tap (its region
+    starts at ``base``), as the tap's two outputs."""
+    pairs = store[base : base + 2 * count].view(count, 2, -1)
     return pairs[:, 0], pairs[:, 1]
 
 

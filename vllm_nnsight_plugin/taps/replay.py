@@ -1,10 +1,10 @@
-"""Blocks that only read one tap, whatever they compute from it: served at the sampler.
+"""Blocks that only read taps, whatever they compute from them: served at the sampler.
 
 Such a block need not run inside the forward. The tables keep its request's rows
-of the tap (both outputs, every step, into a region of the store it reuses each
-step), the forward stays compiled and graphed, and at the sampler the worker
-hands the block the tap's value for that step, rebuilt from the kept rows,
-before the logits (``worker/runtime.py``). The block then runs as Python there,
+of each tap it reads (both outputs, every step, into a region of the store per
+tap that each step reuses), the forward stays compiled and graphed, and at the
+sampler the worker hands the block each tap's value for that step, rebuilt from
+the kept rows, in model order, before the logits (``worker/runtime.py``). The block then runs as Python there,
 as a block on ``model.logits`` does, and computes exactly what it computes on
 the Python path: the kept rows are the tap's values, bit for bit.
 
@@ -12,10 +12,13 @@ A block is served so only where that is certain:
 
 - it writes nothing into the forward (``worker/writes.py``: its edits would
   come too late);
-- every use of the model in it is ``<tap>.output`` of one tap, whose value is a
-  tuple (a decoder layer's hidden state and residual), or ``model.logits``,
-  ``model.samples`` or ``model.tokenizer``; no module call, parameter,
-  ``.input`` or ``.source`` (those would run or read the model at the sampler);
+- every use of the model in it is ``<tap>.output`` of a tap whose value is a
+  tuple (a decoder layer's hidden state and residual), ``model.logits``,
+  ``model.samples``, ``model.tokenizer``, or a call of one of its modules (or a
+  module handed to such a call: ``model.logits_processor(model.lm_head, x)``)
+  that holds no attention layer and no experts, which need the step's forward
+  (the worker runs the call with the kernels of a Python step); no parameter,
+  ``.input`` or ``.source``;
 - it keeps no ``tracer.cache`` (checked by the worker: a cache observes every
   location of the forward).
 """
@@ -34,10 +37,10 @@ _AT_THE_SAMPLER = frozenset({"logits", "samples", "tokenizer"})
 
 
 @functools.lru_cache(maxsize=1024)
-def _uses(source: str) -> tuple[tuple[tuple, str | None], ...] | None:
-    """Each maximal chain of attributes and constant or named indices in the block,
-    as (path, the attribute after it or None), for every chain with a root name;
-    None where the source does not parse."""
+def _uses(source: str) -> tuple[tuple[tuple, bool, tuple | None], ...] | None:
+    """Each maximal chain of attributes and indices in the block that starts at a
+    name, as (the chain, whether it is called, the chain of the call it is a
+    positional argument of); None where the source does not parse."""
     try:
         tree = ast.parse(source)
     except SyntaxError:
@@ -46,7 +49,7 @@ def _uses(source: str) -> tuple[tuple[tuple, str | None], ...] | None:
     for node in ast.walk(tree):
         for child in ast.iter_child_nodes(node):
             parents[id(child)] = node
-    found = []
+    uses = []
     for node in ast.walk(tree):
         if not isinstance(node, ast.Name):
             continue
@@ -59,12 +62,16 @@ def _uses(source: str) -> tuple[tuple[tuple, str | None], ...] | None:
                 top = parent
             else:
                 break
-        found.append((top, parents.get(id(top))))
-    uses = []
-    for top, parent in found:
+        path = _chain(top)
+        if path is None:
+            continue
+        parent = parents.get(id(top))
         called = isinstance(parent, ast.Call) and parent.func is top
-        uses.append((_chain(top), called))
-    return tuple((path, "()" if called else None) for path, called in uses if path is not None)
+        argument_of = None
+        if isinstance(parent, ast.Call) and any(arg is top for arg in parent.args):
+            argument_of = _chain(parent.func)
+        uses.append((path, called, argument_of))
+    return tuple(uses)
 
 
 def _chain(node: ast.AST) -> tuple | None:
@@ -84,28 +91,39 @@ def _chain(node: ast.AST) -> tuple | None:
         node = node.value
 
 
-def replayable(source: str | None, scope: dict[str, Any], model: Any, tables: Any) -> int | Unlowered:
-    """The tap site a read-only block reads, if it can be served at the sampler;
-    otherwise why not."""
+def replayable(
+    source: str | None, scope: dict[str, Any], model: Any, tables: Any, module_at: Any = None
+) -> tuple[int, ...] | Unlowered:
+    """The tap sites a read-only block reads, in model order, if it can be served
+    at the sampler; otherwise why not. ``module_at(path)``: the model's module at
+    that path, or None (without it, no module call is served)."""
     if not source:
         return Unlowered("form", "its source could not be read")
     uses = _uses(source)
     if uses is None:
         return Unlowered("form", "its source could not be read")
     sites: set[int] = set()
-    for path, called in uses:
+    for path, called, argument_of in uses:
         head = scope.get(path[0])
         if head is not model and not _is_envoy(head):
             continue  # not the model: a plain value
         if head is model and len(path) >= 2 and path[1] in _AT_THE_SAMPLER:
             continue
-        if "output" not in path[1:]:
-            if called is not None:
-                return Unlowered("form", "it calls a module of the model, which runs in the forward")
-            return Unlowered("form", "it uses the model other than through a tap's output")
+        named = [part for part in path[1:] if isinstance(part, str)]
+        if "output" not in named:
+            if _LOCATIONS.intersection(named):
+                return Unlowered("form", "it reads a location other than a tap's output")
+            module = _module_at(path, scope, model, module_at)
+            if module is None:
+                return Unlowered("form", "it uses the model other than through a tap's output")
+            if not (called or _is_model_call(argument_of, scope, model, module_at)):
+                return Unlowered("form", "it uses a module of the model other than by calling it")
+            if not _self_contained(module):
+                return Unlowered("form", "it calls a module that needs the forward (attention or experts)")
+            continue
         at = path.index("output", 1)
-        module = _module_path(_rebuilt(path[:at]))
-        where = None if module is None else _site(module, scope, model)
+        module_path = _module_path(_rebuilt(path[:at]))
+        where = None if module_path is None else _site(module_path, scope, model)
         site = None if where is None else tables.site_of.get(where)
         if site is None:
             shown = where if where is not None else ".".join(str(p) for p in path[:at])
@@ -113,9 +131,37 @@ def replayable(source: str | None, scope: dict[str, Any], model: Any, tables: An
         if site not in tables.tuple_sites:
             return Unlowered("form", "it reads a tap whose value is not a (hidden, residual) pair")
         sites.add(site)
-    if len(sites) != 1:
-        return Unlowered("form", "it works on more than one location in a step")
-    return sites.pop()
+    if not sites:
+        return Unlowered("form", "it reads no tap")
+    return tuple(sorted(sites))
+
+
+#: Attributes of a module that are locations, or steer the run, besides ``output``.
+_LOCATIONS = frozenset({"input", "inputs", "source", "skip", "next", "all", "iter"})
+
+
+def _module_at(path: tuple, scope: dict[str, Any], model: Any, module_at: Any) -> Any:
+    """The model's module a chain names (constant or captured indices only), or None."""
+    if module_at is None:
+        return None
+    module_path = _module_path(_rebuilt(path))
+    where = None if module_path is None else _site(module_path, scope, model)
+    return None if where is None else module_at(where)
+
+
+def _is_model_call(chain: tuple | None, scope: dict[str, Any], model: Any, module_at: Any) -> bool:
+    """Whether a chain names a module of the model (a module passed to it is then
+    its argument: ``model.logits_processor(model.lm_head, x)``)."""
+    if chain is None or (scope.get(chain[0]) is not model and not _is_envoy(scope.get(chain[0]))):
+        return False
+    return _module_at(chain, scope, model, module_at) is not None
+
+
+def _self_contained(module: Any) -> bool:
+    """A module whose call needs nothing of the forward: no attention layer (it
+    reads and writes the KV cache of the step) and no mixture of experts (its
+    routing reads the step's context)."""
+    return all("kv_cache" not in vars(m) and "MoE" not in type(m).__name__ for m in module.modules())
 
 
 def _rebuilt(path: tuple) -> ast.expr:

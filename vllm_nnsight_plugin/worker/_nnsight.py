@@ -293,6 +293,11 @@ def block_scope(mediator: Any) -> dict[str, Any]:
     return {**(mediator.glbls or {}), **(mediator.lcls or {})}
 
 
+def envoy_module(envoy: Any) -> Any:
+    """The torch module an envoy of the tree stands for."""
+    return envoy._module
+
+
 def open_save_scope() -> None:
     """A block's ``.save()`` needs an open trace scope on this thread; open one."""
     if not getattr(_local, "depth", 0):

@@ -116,7 +116,9 @@ class Lowering:
         parts = split(source) if source else None
         block = None
         if parts is not None:
-            block = lower(parts.taps, scope, model, nns.InterleavingTracer, tables, seams.model_dtype(self.runner))
+            block = lower(
+                parts.taps, scope, model, nns.InterleavingTracer, tables, seams.model_dtype(self.runner)
+            )
         if parts is None or isinstance(block, Unlowered):
             # Where it splits, its part on the taps says more than the whole block.
             return block if isinstance(block, Unlowered) else why
@@ -136,18 +138,20 @@ class Lowering:
         from . import _nnsight as nns
 
         mediator = request.mediator
-        site = None
+        sites = None
         if not getattr(mediator, "may_write", True) and not mediator.caches:
-            site = replayable(nns.block_source(mediator), nns.block_scope(mediator), model, tables)
-        if not isinstance(site, int):
+            sites = replayable(
+                nns.block_source(mediator), nns.block_scope(mediator), model, tables, _modules(model)
+            )
+        if not isinstance(sites, tuple):
             self.paths.python(request.id, why.kind, why.reason)
             return False
-        lowered = Lowered(site, 0, None, None, code=KEEP_BOTH, replay=True)
+        lowered = Lowered(sites[0], 0, None, None, code=KEEP_BOTH, replay=True)
         room = most * lowered.stride  # a whole recompute's rows fit: its prompt and tokens
         if room <= 0:
             self.paths.python(request.id, *UNSIZED)
             return False
-        if not tables.add(request.id, lowered, None, room):
+        if not tables.add(request.id, lowered, None, room, sites[1:]):
             self.paths.python(request.id, *NO_ROOM)
             return False
         mediator.needs_forward = False  # served at the sampler: the forward stays compiled
@@ -258,3 +262,18 @@ def _overflow(lowered: Any, request_id: str) -> Exception:
         "preempted request recomputes its tokens). Run it again, or on an engine "
         "with room for every running request's KV cache."
     )
+
+
+def _modules(model: Any) -> Any:
+    """The model's module at a path relative to it, or None."""
+    from . import _nnsight as nns
+
+    root = nns.envoy_module(model)
+
+    def module_at(path: str) -> Any:
+        try:
+            return root.get_submodule(path) if path else root
+        except AttributeError:
+            return None
+
+    return module_at

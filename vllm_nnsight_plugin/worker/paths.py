@@ -17,7 +17,7 @@ from typing import Any
 @dataclass(frozen=True)
 class Path:
     lowered: bool
-    form: str | None = None  # lowered: steer, keep, read or cache
+    form: str | None = None  # lowered: steer, keep, read, cache, or replay (served at the sampler)
     kind: str | None = None  # Python: why, in one word (counted)
     reason: str | None = None  # Python: why, in words (on the output)
 

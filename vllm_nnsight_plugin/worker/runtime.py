@@ -363,25 +363,39 @@ class WorkerRuntime:
         reach it (compiled, or graphed): its value for this step, the kept rows of
         those blocks' requests at their rows of the slab, the taps in model order
         (``taps/replay.py``)."""
-        from ..taps.kept import step_rows
-
-        tables, replays = self.tables, self.lowering.replays
-        at: dict[int, list[tuple[int, int, Any]]] = {}
+        replays, tracked = self.lowering.replays, self.requests.requests
+        at: dict[int, list[tuple[int, int, int]]] = {}
         offset = 0
         for request_id, count in step.spans:
             lowered = replays.get(request_id)
-            if lowered is not None and count:
-                at.setdefault(lowered.site, []).append((offset, count, lowered))
+            if lowered is not None and count and _waiting(tracked.get(request_id)):
+                for site, base in lowered.regions:
+                    at.setdefault(site, []).append((offset, count, base))
             offset += count
-        interleaver = self.model.interleaver
+        if not at:
+            return
+        kernels = self.kernels
+        if kernels is not None:  # a module a block calls runs as in a Python step
+            kernels.use()
+        try:
+            self._serve(at, offset, step)
+        finally:
+            if kernels is not None:
+                kernels.restore()
+
+    def _serve(self, at: dict[int, list[tuple[int, int, int]]], rows: int, step: Step) -> None:
+        """Hand the interleaver each tap's value: ``rows`` rows, the kept ones in place."""
+        from ..taps.kept import step_rows
+
+        tables, interleaver = self.tables, self.model.interleaver
         for site in sorted(at):
             location = f"{self.model.path}.{tables.sites[site]}.output"
             if interleaver.counts.get(location, 0) != step.visits.get(location, 0):
                 continue  # the forward ran as Python and served it there
-            hidden = tables.store.new_zeros((offset, tables.store.shape[-1]))
+            hidden = tables.store.new_zeros((rows, tables.store.shape[-1]))
             residual = hidden.new_zeros(hidden.shape)
-            for start, count, lowered in at[site]:
-                first, second = step_rows(lowered, tables.store, count)
+            for start, count, base in at[site]:
+                first, second = step_rows(base, tables.store, count)
                 hidden[start : start + count] = first
                 residual[start : start + count] = second
             interleaver.handle(location, (hidden, residual))
@@ -544,3 +558,9 @@ class WorkerRuntime:
             "runner": seams.runner_name(self.runner),
             "runner_family": self.adapter.family,
         }
+
+
+def _waiting(request: Any) -> bool:
+    """Whether a request's block may still read a location (not finished, not failed)."""
+    mediator = None if request is None or request.error is not None else request.mediator
+    return mediator is not None and (mediator.worker is None or bool(mediator.alive))
