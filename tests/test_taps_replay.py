@@ -263,3 +263,13 @@ def test_replayable_reads_the_block_not_its_spelling(smollm2_llm, smol):
     assert isinstance(entered, Unlowered) and "other than a tap's output" in entered.reason
     no_modules = replayable(lens, scope, smol, Tables)
     assert isinstance(no_modules, Unlowered)
+    # A module reached other than by name from the model: never served, since its
+    # reads would not be known.
+    captured = {**scope, "chosen": [smol.model.layers[20]], "pick": lambda: None}
+    for source in (
+        "for layer in chosen:\n    x = layer.output[0].save()",
+        "x = chosen[0].output[0].save()",
+        "x = block.output[0]\ny = pick().output",
+    ):
+        found = replayable(source, captured, smol, Tables, modules.get)
+        assert isinstance(found, Unlowered) and found.kind == "form", source

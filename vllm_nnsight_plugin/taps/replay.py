@@ -32,6 +32,9 @@ from typing import Any
 from .forms import _module_path
 from .lower import Unlowered, _site
 
+#: Stands for the root of a location read on something that is not a name.
+_STRAY = "\x00"
+
 #: What a block may name on the model besides the tap's output.
 _AT_THE_SAMPLER = frozenset({"logits", "samples", "tokenizer"})
 
@@ -71,6 +74,10 @@ def _uses(source: str) -> tuple[tuple[tuple, bool, tuple | None], ...] | None:
         if isinstance(parent, ast.Call) and any(arg is top for arg in parent.args):
             argument_of = _chain(parent.func)
         uses.append((path, called, argument_of))
+    for node in ast.walk(tree):  # a location on something that is not a chain from a name
+        if isinstance(node, ast.Attribute) and node.attr in _READS:
+            if _chain(node) is None:
+                uses.append(((_STRAY, node.attr), False, None))
     return tuple(uses)
 
 
@@ -106,6 +113,9 @@ def replayable(
     for path, called, argument_of in uses:
         head = scope.get(path[0])
         if head is not model and not _is_envoy(head):
+            if _READS.intersection(p for p in path[1:] if isinstance(p, str)):
+                # a module reached some other way (a captured list of them, a function's result)
+                return Unlowered("form", "it reads a location of a module it does not name from the model")
             continue  # not the model: a plain value
         if head is model and len(path) >= 2 and path[1] in _AT_THE_SAMPLER:
             continue
@@ -138,6 +148,9 @@ def replayable(
 
 #: Attributes of a module that are locations, or steer the run, besides ``output``.
 _LOCATIONS = frozenset({"input", "inputs", "source", "skip", "next", "all", "iter"})
+#: A module's locations: on anything but the model's own names, a module reached
+#: some other way (a captured list of them, a function's result).
+_READS = frozenset({"output", "input", "inputs", "source"})
 
 
 def _module_at(path: tuple, scope: dict[str, Any], model: Any, module_at: Any) -> Any:
