@@ -4,9 +4,10 @@ Such a block need not run inside the forward. The tables keep its request's rows
 of each tap it reads (both outputs, every step, into a region of the store per
 tap that each step reuses), the forward stays compiled and graphed, and at the
 sampler the worker hands the block each tap's value for that step, rebuilt from
-the kept rows, in model order, before the logits (``worker/runtime.py``). The block then runs as Python there,
-as a block on ``model.logits`` does, and computes exactly what it computes on
-the Python path: the kept rows are the tap's values, bit for bit.
+the kept rows, in model order, before the logits (``worker/runtime.py``). The
+block then runs as Python there, as a block on ``model.logits`` does, and
+computes exactly what it computes on the Python path: the kept rows are the
+taps' values, bit for bit.
 
 A block is served so only where that is certain:
 
@@ -170,11 +171,18 @@ def _is_model_call(chain: tuple | None, scope: dict[str, Any], model: Any, modul
     return _module_at(chain, scope, model, module_at) is not None
 
 
+#: Parts of the class names of modules whose call needs the step's forward.
+_NEEDS_THE_STEP = ("Attention", "MoE", "Expert", "Mamba")
+
+
 def _self_contained(module: Any) -> bool:
     """A module whose call needs nothing of the forward: no attention layer (it
-    reads and writes the KV cache of the step) and no mixture of experts (its
-    routing reads the step's context)."""
-    return all("kv_cache" not in vars(m) and "MoE" not in type(m).__name__ for m in module.modules())
+    reads and writes the step's KV cache), no mixture of experts (its routing
+    reads the step's context), no state-space layer (its state is the step's)."""
+    return all(
+        "kv_cache" not in vars(m) and not any(part in type(m).__name__ for part in _NEEDS_THE_STEP)
+        for m in module.modules()
+    )
 
 
 def _rebuilt(path: tuple) -> ast.expr:
