@@ -273,3 +273,36 @@ def test_replayable_reads_the_block_not_its_spelling(smollm2_llm, smol):
     ):
         found = replayable(source, captured, smol, Tables, modules.get)
         assert isinstance(found, Unlowered) and found.kind == "form", source
+
+
+def test_a_loop_over_the_layers_is_served_every_layer(smollm2_llm, smol):
+    """``for layer in model.model.layers`` (or a comprehension over them) names each
+    layer: all must be taps, and the loop's name is used through ``output`` only."""
+
+    class Tables:
+        site_of = {"model.layers.0": 0, "model.layers.1": 1}
+        tuple_sites = frozenset({0, 1})
+
+    modules = {"model.layers": torch.nn.ModuleList([torch.nn.Identity(), torch.nn.Identity()])}
+    modules["model.norm"] = torch.nn.LayerNorm(2)
+    scope = {"model": smol}
+
+    def check(source):
+        return replayable(source, scope, smol, Tables, modules.get)
+
+    assert check("for layer in model.model.layers:\n    x = layer.output[0].norm().save()") == (0, 1)
+    assert check("x = [(l.output[0] + l.output[1])[-1] for l in model.model.layers]") == (0, 1)
+    lens = "for layer in model.model.layers:\n    x = model.model.norm(layer.output[0]).save()"
+    assert check(lens) == (0, 1)
+    for source in (
+        "for layer in model.model.layers:\n    x = layer.mlp.output.save()",  # not its output
+        "for layer in model.model.layers:\n    x = layer.output[0]\nlayer = 3",  # rebound
+    ):
+        found = check(source)
+        assert isinstance(found, Unlowered), source
+    fewer = Tables()
+    fewer.site_of = {"model.layers.0": 0}
+    missing = replayable(
+        "for layer in model.model.layers:\n    x = layer.output", scope, smol, fewer, modules.get
+    )
+    assert isinstance(missing, Unlowered) and missing.kind == "not_a_tap"

@@ -41,6 +41,31 @@ _AT_THE_SAMPLER = frozenset({"logits", "samples", "tokenizer"})
 
 
 @functools.lru_cache(maxsize=1024)
+def _loops(source: str) -> dict[str, tuple] | None:
+    """The names a ``for`` loop or comprehension binds to each item of a chain
+    (``for layer in model.model.layers``), where the block binds that name
+    nowhere else: name -> the chain. None where the source does not parse."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    stores: dict[str, int] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            stores[node.id] = stores.get(node.id, 0) + 1
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            for arg in node.args.args + node.args.kwonlyargs:
+                stores[arg.arg] = stores.get(arg.arg, 0) + 2  # never a loop's alone
+    found: dict[str, tuple] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.For, ast.comprehension)) and isinstance(node.target, ast.Name):
+            chain = _chain(node.iter)
+            if chain is not None and stores.get(node.target.id) == 1:
+                found[node.target.id] = chain
+    return found
+
+
+@functools.lru_cache(maxsize=1024)
 def _uses(source: str) -> tuple[tuple[tuple, bool, tuple | None], ...] | None:
     """Each maximal chain of attributes and indices in the block that starts at a
     name, as (the chain, whether it is called, the chain of the call it is a
@@ -107,11 +132,27 @@ def replayable(
     that path, or None (without it, no module call is served)."""
     if not source:
         return Unlowered("form", "its source could not be read")
-    uses = _uses(source)
-    if uses is None:
+    uses, loops = _uses(source), _loops(source)
+    if uses is None or loops is None:
         return Unlowered("form", "its source could not be read")
+    layers: dict[str, tuple[int, ...]] = {}  # a loop's name -> the taps it takes, in order
+    for name, chain in loops.items():
+        head = scope.get(chain[0])
+        if head is model or _is_envoy(head):
+            taken = _children(chain, scope, model, tables, module_at)
+            if isinstance(taken, Unlowered):
+                return taken
+            layers[name] = taken
+    iterated = {loops[name] for name in layers}
     sites: set[int] = set()
     for path, called, argument_of in uses:
+        if path[0] in layers:  # a layer of a loop over the model's layers
+            if len(path) < 2 or path[1] != "output":
+                return Unlowered("form", "it uses a layer of its loop other than through its output")
+            sites.update(layers[path[0]])
+            continue
+        if path in iterated:
+            continue  # the loop's own iteration over the layers
         head = scope.get(path[0])
         if head is not model and not _is_envoy(head):
             if _READS.intersection(p for p in path[1:] if isinstance(p, str)):
@@ -152,6 +193,27 @@ _LOCATIONS = frozenset({"input", "inputs", "source", "skip", "next", "all", "ite
 #: A module's locations: on anything but the model's own names, a module reached
 #: some other way (a captured list of them, a function's result).
 _READS = frozenset({"output", "input", "inputs", "source"})
+
+
+def _children(
+    chain: tuple, scope: dict[str, Any], model: Any, tables: Any, module_at: Any
+) -> tuple[int, ...] | Unlowered:
+    """The tap sites of each module a loop over ``chain`` takes (a list of the
+    model's modules, each a ``(hidden, residual)`` tap), in order."""
+    module = _module_at(chain, scope, model, module_at)
+    module_path = _module_path(_rebuilt(chain))
+    where = None if module_path is None else _site(module_path, scope, model)
+    if module is None or where is None or not hasattr(module, "__len__"):
+        return Unlowered("form", "it loops over something of the model other than a list of its modules")
+    sites = []
+    for i in range(len(module)):
+        site = tables.site_of.get(f"{where}.{i}" if where else str(i))
+        if site is None:
+            return Unlowered("not_a_tap", f"it reads `model.{where}.{i}`, which is not a tap on this engine")
+        if site not in tables.tuple_sites:
+            return Unlowered("form", "it reads a tap whose value is not a (hidden, residual) pair")
+        sites.append(site)
+    return tuple(sites)
 
 
 def _module_at(path: tuple, scope: dict[str, Any], model: Any, module_at: Any) -> Any:
