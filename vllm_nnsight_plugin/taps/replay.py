@@ -18,8 +18,10 @@ A block is served so only where that is certain:
   ``model.samples``, ``model.tokenizer``, or a call of one of its modules (or a
   module handed to such a call: ``model.logits_processor(model.lm_head, x)``)
   that holds no attention layer and no experts, which need the step's forward
-  (the worker runs the call with the kernels of a Python step); no parameter,
-  ``.input`` or ``.source``;
+  (the worker runs the call with the kernels of a Python step); a loop over a
+  list of the model's modules (``for layer in model.model.layers``) names each,
+  every one a tap; no parameter, ``.input`` or ``.source``, and no location of
+  a module reached other than by its name on the model;
 - it keeps no ``tracer.cache`` (checked by the worker: a cache observes every
   location of the forward).
 """
@@ -80,8 +82,8 @@ def _uses(source: str) -> tuple[tuple[tuple, bool, tuple | None], ...] | None:
             parents[id(child)] = node
     uses = []
     for node in ast.walk(tree):
-        if not isinstance(node, ast.Name):
-            continue
+        if not isinstance(node, ast.Name) or not isinstance(node.ctx, ast.Load):
+            continue  # a name bound here (an assignment's, a loop's) is not a use
         top: ast.AST = node
         while True:
             parent = parents.get(id(top))
