@@ -37,7 +37,9 @@ one token, saving the logits (latency), ``steer`` add a vector to one layer's
 output at every step (64 x 128), ``steer_docs`` the same as the user docs write it
 (the value named, a scale, a CPU vector moved with ``.to(hidden)``), ``steer_draws``
 the steering page's loop whole (that edit, ``tracer.all()``, each step's drawn
-token kept: split, the draws Python at the sampler), ``capture`` keep one layer's output for every
+token kept: split, the draws Python at the sampler), ``lens_steps`` the docs' logit
+lens at the tapped layer every step (served at the sampler on ``on-taps``, 64 x 128),
+``lens_among_plain`` one such request among 63 plain ones, ``capture`` keep one layer's output for every
 token (1,000 x 128; 64 x 128 for the anchors), ``prompt_read`` keep one layer's
 last prompt row, then generate (64 x 128), ``lens`` the logit lens over every
 layer for one prompt, one batched unembed (latency). On ``on-taps``,
@@ -195,13 +197,15 @@ def capture(model, batch, tokens) -> int:
 
 
 def capture_python(model, batch, tokens) -> list:
-    """The same capture written so that it runs as Python (two statements)."""
+    """The same capture written so that it runs as Python (two statements, and a
+    read of a location that is not a tap, or it would be served at the sampler)."""
     layer = model.model.layers[LAYER]
     with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
         for ids in batch:
             with tracer.invoke(ids):
                 rows = list().save()
                 for _ in tracer.iter[:tokens]:
+                    model.model.embed_tokens.output.clone()
                     hidden = layer.output[0]
                     rows.append(hidden.clone())
     return rows
@@ -217,6 +221,40 @@ def capture_rows(model, batch, tokens) -> list:
                 for _ in tracer.iter[:tokens]:
                     rows.append(layer.output[0].clone())
     return rows
+
+
+def lens_each_step(model, batch, tokens) -> None:
+    """The docs' logit lens at the tapped layer, every step, each step's guesses
+    kept: a read served at the sampler on a tapped engine (the norm and the
+    unembedding run there), Python on any other."""
+    layer = model.model.layers[LAYER]
+    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+        for ids in batch:
+            with tracer.invoke(ids):
+                guesses = list().save()
+                for _ in tracer.iter[:tokens]:
+                    out = layer.output
+                    logits = model.logits_processor(model.lm_head, model.model.norm(out[0] + out[1]))
+                    guesses.append(logits.argmax(-1))
+
+
+def lens_among_plain(model, llm, batch, tokens) -> None:
+    """One request running :func:`lens_each_step`'s block, the rest plain, in one
+    batch: what one researcher's read costs the others."""
+    from vllm import SamplingParams
+
+    layer = model.model.layers[LAYER]
+    with model.requests(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+        with tracer.invoke(batch[0]):
+            guesses = list().save()
+            for _ in tracer.iter[:tokens]:
+                out = layer.output
+                logits = model.logits_processor(model.lm_head, model.model.norm(out[0] + out[1]))
+                guesses.append(logits.argmax(-1))
+    prepared = tracer.prepared
+    plain = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False)
+    others = [{"prompt_token_ids": ids} for ids in batch[1:]]
+    llm.generate(prepared.prompts + others, prepared.params + [plain] * len(others), use_tqdm=False)
 
 
 def prompt_read(model, batch, tokens) -> list:
@@ -358,6 +396,23 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
             wide = unique(WIDE)
             wall = timed(lambda wide=wide: steer(model, wide, TOKENS, vector))
             result(engine=name, job="steer256", tok_s=round(WIDE * TOKENS / wall, 1))
+        lens_each_step(model, few[:4], 8)  # warm-up
+        (before,) = llm.collective_rpc("nnsight_stats")
+        for _ in range(repeats):
+            batch = unique(CONCURRENT)
+            wall = timed(lambda batch=batch: lens_each_step(model, batch, TOKENS))
+            result(engine=name, job="lens_steps", tok_s=round(CONCURRENT * TOKENS / wall, 1))
+        for _ in range(repeats):
+            batch = unique(CONCURRENT)
+            wall = timed(lambda batch=batch: lens_among_plain(model, llm, batch, TOKENS))
+            result(engine=name, job="lens_among_plain", tok_s=round(CONCURRENT * TOKENS / wall, 1))
+        (after,) = llm.collective_rpc("nnsight_stats")
+        result(
+            engine=name,
+            job="lens_check",
+            served=after["lowered_by"]["replay"] - before["lowered_by"]["replay"],
+            uncompiled_steps=after["uncompiled_steps"] - before["uncompiled_steps"],
+        )
         (before,) = llm.collective_rpc("nnsight_stats")
         lowered_rows = capture_rows(model, few[:8], 16)
         python_rows = capture_python(model, few[:8], 16)
