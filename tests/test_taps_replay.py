@@ -306,3 +306,39 @@ def test_a_loop_over_the_layers_is_served_every_layer(smollm2_llm, smol):
         "for layer in model.model.layers:\n    x = layer.output", scope, smol, fewer, modules.get
     )
     assert isinstance(missing, Unlowered) and missing.kind == "not_a_tap"
+
+
+def test_a_served_block_keeps_each_step_at_the_start_of_a_region_per_tap():
+    """The tables alone: a request served at the sampler takes an entry and a region
+    at each tap it reads; each step's rows land at the start of each region (over
+    the step before's), as the two outputs in turn; both regions come back."""
+    from tests.test_taps import bounds
+    from vllm_nnsight_plugin.taps.install import Lowered, TapTables
+    from vllm_nnsight_plugin.taps.kept import step_rows
+    from vllm_nnsight_plugin.taps.ops import KEEP_BOTH
+
+    tables = TapTables(
+        ("model.layers.0", "model.layers.1"), max_tokens=8, hidden=3, entries=4, device="cpu", store_size=64
+    )
+    served = Lowered(0, 0, None, None, code=KEEP_BOTH, replay=True)
+    assert tables.add("s", served, room=2 * 6, also=(1,))
+    assert [site for site, _ in served.regions] == [0, 1] and len(tables.free) == 2
+    assert not tables.add("big", Lowered(0, 0, None, None, code=KEEP_BOTH, replay=True), room=40, also=(1,))
+    assert tables.regions.free_rows() == 63 - 2 * 12  # the failed add gave its region back
+    for req_ids, starts, counts in [(["p", "s"], [0, 2], [2, 4]), (["s", "p"], [0, 1], [1, 1])]:
+        tables.fill(req_ids, bounds(starts, counts))
+        values = {}
+        for site in (0, 1):
+            hidden, residual = torch.randn(8, 3), torch.randn(8, 3)
+            torch.ops.vllm_nnsight.keep(hidden, residual, tables.codes, tables.dest, tables.store, site)
+            values[site] = (hidden, residual)
+        mine = starts[req_ids.index("s")]
+        count = counts[req_ids.index("s")]
+        for site, base in served.regions:
+            first, second = step_rows(base, tables.store, count)
+            assert torch.equal(first, values[site][0][mine : mine + count])
+            assert torch.equal(second, values[site][1][mine : mine + count])
+    lowered, forwards = tables.forget("s")
+    assert forwards == 2 and tables.saves(lowered) == {} and not tables.overflowed(lowered)
+    tables.release(lowered)
+    assert tables.regions.free_rows() == 63 and len(tables.free) == 4
