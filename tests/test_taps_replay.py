@@ -111,8 +111,9 @@ def two_layers(model, twin: bool):
             moved = list().save()
             for _ in tracer.iter[:3]:
                 early = model.model.layers[10].output
+                stream = early[0] + early[1]  # a copy, made before the next layer runs
                 late = model.model.layers[20].output
-                moved.append(((late[0] + late[1]) - (early[0] + early[1])).norm(dim=-1))
+                moved.append(((late[0] + late[1]) - stream).norm(dim=-1))
             result = tracer.result.save()
         return moved, result
     with model.trace(PROMPTS[1], temperature=0.0, max_tokens=3) as tracer:
@@ -120,8 +121,9 @@ def two_layers(model, twin: bool):
         for _ in tracer.iter[:3]:
             model.model.embed_tokens.output.clone()  # no tap: the block runs as Python
             early = model.model.layers[10].output
+            stream = early[0] + early[1]
             late = model.model.layers[20].output
-            moved.append(((late[0] + late[1]) - (early[0] + early[1])).norm(dim=-1))
+            moved.append(((late[0] + late[1]) - stream).norm(dim=-1))
         result = tracer.result.save()
     return moved, result
 
@@ -342,3 +344,50 @@ def test_a_served_block_keeps_each_step_at_the_start_of_a_region_per_tap():
     assert forwards == 2 and tables.saves(lowered) == {} and not tables.overflowed(lowered)
     tables.release(lowered)
     assert tables.regions.free_rows() == 63 and len(tables.free) == 4
+
+
+def test_what_could_see_a_buffer_the_next_layer_overwrites_is_not_served(smollm2_llm, smol):
+    """On the Python path a tap's value is the step's own buffer, which the next
+    layer of a Python step may overwrite in place (vLLM's fused residual add and
+    norm on a GPU); served at the sampler it is a copy. So a block is served only
+    where the two cannot differ: no view of a tap's value used after a later
+    location is read, kept past its statement, or handed to a call that may keep
+    or write it; and no cache, and no layer named by a name the block binds."""
+    import nnsight
+
+    class Tables:
+        site_of = {"model.layers.10": 0, "model.layers.20": 3}
+        tuple_sites = frozenset({0, 3})
+
+    modules = {"model.norm": torch.nn.LayerNorm(2), "lm_head": torch.nn.Linear(2, 2)}
+    modules["logits_processor"] = torch.nn.Identity()
+    scope = {"model": smol, "i": 10, "torch": torch, "nnsight": nnsight, "keep": print}
+
+    def check(source):
+        return replayable(source, scope, smol, Tables, modules.get)
+
+    served = [
+        "out = model.model.layers[20].output\nx = model.logits_processor(model.lm_head, model.model.norm(out[0] + out[1])).save()",
+        "h = model.model.layers[10].output[0]\nn = h.norm()\nlate = model.model.layers[20].output[0].clone().save()",
+        "x = sum(model.model.layers[20].output).save()\nt = model.logits.argmax(-1).save()",
+        "x = model.model.norm(model.model.layers[10].output[0]).save()",
+    ]
+    for source in served:
+        assert isinstance(check(source), tuple), source
+    not_served = [
+        "a = model.model.layers[10].output\nb = model.model.layers[20].output\nx = (b[0] - a[0]).save()",
+        "h = model.model.layers[10].output[0]\nt = model.logits.argmax(-1)\nx = h.norm().save()",
+        "x = model.model.layers[10].output[0].save()",
+        "x = model.model.layers[10].output[0].float().save()",
+        "rows = list().save()\nrows.append(model.model.layers[10].output[0][-1])",
+        "x = nnsight.save([model.model.layers[10].output[0]])",
+        "h, r = model.model.layers[10].output\ny = model.model.norm(h, r)",
+        "h = model.model.layers[10].output[0]\ny = torch.nn.functional.relu(h, inplace=True)",
+        "h = model.model.layers[10].output[0]\nkeep(h)",
+        "c = tracer.cache()\nx = model.model.layers[10].output[0].norm().save()",
+        "i = 20\nx = model.model.layers[i].output[0].norm().save()",
+        "for i in (10, 20):\n    x = model.model.layers[i].output[0].norm().save()",
+    ]
+    for source in not_served:
+        found = check(source)
+        assert isinstance(found, Unlowered), source

@@ -64,6 +64,8 @@ class TapTables:
         #: Sites whose module's forward returns a tuple, by its source: only there
         #: is ``output[0]`` the whole hidden state a lowered block means.
         self.tuple_sites = frozenset(range(len(sites))) if tuple_sites is None else tuple_sites
+        #: the tuple sites whose value is always exactly (hidden, residual) (set at install)
+        self.pair_sites = self.tuple_sites
         self.hidden = hidden
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
@@ -347,6 +349,9 @@ def install(runner: Any, model: Any) -> TapTables | None:
     tables = TapTables(
         sites, max_tokens, hidden, 2 * max_seqs + 16, device, seams.model_dtype(runner), tuples
     )
+    tables.pair_sites = frozenset(
+        i for i in tuples if returns_tuple(type(model.get_submodule(sites[i])), exactly=2)
+    )
     by_module: dict[str, dict[str | None, int]] = {}
     for site, name in enumerate(sites):
         path, operation = split_site(name)
@@ -357,9 +362,10 @@ def install(runner: Any, model: Any) -> TapTables | None:
     return tables
 
 
-def returns_tuple(cls: type) -> bool:
+def returns_tuple(cls: type, exactly: int | None = None) -> bool:
     """Whether every ``return`` of the class's ``forward`` is a tuple display of two
-    or more values (a decoder layer's ``return hidden_states, residual``).
+    or more values (a decoder layer's ``return hidden_states, residual``), or of
+    ``exactly`` that many.
 
     Read from the source, so it holds for every call; anything unreadable or less
     certain is False, and blocks on that tap run as Python.
@@ -382,6 +388,7 @@ def returns_tuple(cls: type) -> bool:
     return bool(returns) and all(
         isinstance(r.value, ast.Tuple)
         and len(r.value.elts) >= 2
+        and (exactly is None or len(r.value.elts) == exactly)
         and not any(isinstance(e, ast.Starred) for e in r.value.elts)
         for r in returns
     )

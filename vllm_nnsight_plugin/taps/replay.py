@@ -16,14 +16,20 @@ A block is served so only where that is certain:
 - every use of the model in it is ``<tap>.output`` of a tap whose value is a
   tuple (a decoder layer's hidden state and residual), ``model.logits``,
   ``model.samples``, ``model.tokenizer``, or a call of one of its modules (or a
-  module handed to such a call: ``model.logits_processor(model.lm_head, x)``)
+  module handed to such a call: ``model.lm_head`` to ``model.logits_processor``)
   that holds no attention layer and no experts, which need the step's forward
   (the worker runs the call with the kernels of a Python step); a loop over a
   list of the model's modules (``for layer in model.model.layers``) names each,
   every one a tap; no parameter, ``.input`` or ``.source``, and no location of
   a module reached other than by its name on the model;
-- it keeps no ``tracer.cache`` (checked by the worker: a cache observes every
-  location of the forward).
+- no view of a tap's value (``h = layer.output[0]``, ``h[-1]``) is saved,
+  kept in a container, handed to a call that may keep or write it, or used after
+  a later location is read: on the Python path it is the step's own buffer, which
+  the next layer of a Python step may overwrite in place (vLLM's fused residual
+  add and norm), where served here it is a copy (``_aliasing``);
+- no layer is named by a name the block binds itself, and it keeps no
+  ``tracer.cache`` (a cache observes every location of the forward); the worker
+  also checks that each tap returns exactly the two values it keeps.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import ast
 import functools
 from typing import Any
 
-from .forms import _module_path
+from .forms import Index, _module_path
 from .lower import Unlowered, _site
 
 #: Stands for the root of a location read on something that is not a name.
@@ -126,6 +132,20 @@ def _chain(node: ast.AST) -> tuple | None:
         node = node.value
 
 
+@functools.lru_cache(maxsize=1024)
+def _bound(source: str) -> frozenset[str]:
+    """Every name the block binds itself (assigned, looped over, an argument)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            names.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            args = node.args
+            names.update(a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs])
+            names.update(a.arg for a in (args.vararg, args.kwarg) if a is not None)
+    return frozenset(names)
+
+
 def replayable(
     source: str | None, scope: dict[str, Any], model: Any, tables: Any, module_at: Any = None
 ) -> tuple[int, ...] | Unlowered:
@@ -137,9 +157,12 @@ def replayable(
     uses, loops = _uses(source), _loops(source)
     if uses is None or loops is None:
         return Unlowered("form", "its source could not be read")
+    bound = _bound(source)
+    if "cache" in _attributes(source):
+        return Unlowered("form", "it keeps a cache, which records the whole forward")
     layers: dict[str, tuple[int, ...]] = {}  # a loop's name -> the taps it takes, in order
     for name, chain in loops.items():
-        head = scope.get(chain[0])
+        head = None if chain[0] in bound else scope.get(chain[0])
         if head is model or _is_envoy(head):
             taken = _children(chain, scope, model, tables, module_at)
             if isinstance(taken, Unlowered):
@@ -155,7 +178,7 @@ def replayable(
             continue
         if path in iterated:
             continue  # the loop's own iteration over the layers
-        head = scope.get(path[0])
+        head = None if path[0] in bound else scope.get(path[0])  # a name it binds is its own
         if head is not model and not _is_envoy(head):
             if _READS.intersection(p for p in path[1:] if isinstance(p, str)):
                 # a module reached some other way (a captured list of them, a function's result)
@@ -177,6 +200,8 @@ def replayable(
             continue
         at = path.index("output", 1)
         module_path = _module_path(_rebuilt(path[:at]))
+        if module_path is not None and any(isinstance(p, Index) and p.name in bound for p in module_path):
+            return Unlowered("form", "it names a layer by a name it binds itself")
         where = None if module_path is None else _site(module_path, scope, model)
         site = None if where is None else tables.site_of.get(where)
         if site is None:
@@ -187,6 +212,9 @@ def replayable(
         sites.add(site)
     if not sites:
         return Unlowered("form", "it reads no tap")
+    hazard = _aliasing(source, frozenset(layers), scope, model)
+    if hazard is not None:
+        return Unlowered("form", hazard)
     return tuple(sorted(sites))
 
 
@@ -223,13 +251,15 @@ def _module_at(path: tuple, scope: dict[str, Any], model: Any, module_at: Any) -
     if module_at is None:
         return None
     module_path = _module_path(_rebuilt(path))
+    if module_path is not None and any(isinstance(p, Index) for p in module_path):
+        return None  # a module named by an index: only taps are named so
     where = None if module_path is None else _site(module_path, scope, model)
     return None if where is None else module_at(where)
 
 
 def _is_model_call(chain: tuple | None, scope: dict[str, Any], model: Any, module_at: Any) -> bool:
     """Whether a chain names a module of the model (a module passed to it is then
-    its argument: ``model.logits_processor(model.lm_head, x)``)."""
+    its argument: ``model.lm_head`` handed to ``model.logits_processor``)."""
     if chain is None or (scope.get(chain[0]) is not model and not _is_envoy(scope.get(chain[0]))):
         return False
     return _module_at(chain, scope, model, module_at) is not None
@@ -264,3 +294,179 @@ def _is_envoy(value: Any) -> bool:
     from nnsight.intervention.envoy import Envoy
 
     return isinstance(value, Envoy)
+
+
+@functools.lru_cache(maxsize=1024)
+def _attributes(source: str) -> frozenset[str]:
+    return frozenset(node.attr for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Attribute))
+
+
+#: What may return a tensor sharing memory with the one it is called on.
+_ALIASING = frozenset(
+    {"view", "view_as", "reshape", "reshape_as", "squeeze", "unsqueeze", "t", "T", "mT", "H", "mH",
+     "transpose", "permute", "narrow", "select", "expand", "expand_as", "detach", "flatten",
+     "unflatten", "contiguous", "to", "float", "half", "bfloat16", "double", "type", "type_as",
+     "split", "chunk", "unbind", "tensor_split", "as_strided", "movedim", "moveaxis", "swapaxes",
+     "swapdims", "real", "imag", "data", "diagonal", "unfold", "cpu", "cuda", "view_as_real"}
+)  # fmt: skip
+#: What keeps a value past the statement that made it.
+_KEEPING = frozenset({"save", "append", "extend", "insert", "add", "update", "setdefault"})
+
+
+def _aliasing(source: str, layers: frozenset[str], scope: Any = None, model: Any = None) -> str | None:
+    """Why serving the block at the sampler could differ from the Python path, where
+    a tap's value is the step's own buffer, which the next layer of a Python step
+    may overwrite in place (vLLM's fused residual add and norm): a view of a tap's
+    value used after a later location is read, or kept past its statement; a call
+    that writes in place. None where neither can happen."""
+    tree = ast.parse(source)
+    state = _Views(layers, scope or {}, model)
+    try:
+        state.statements(tree.body)
+    except _Hazard as hazard:
+        return str(hazard)
+    return None
+
+
+class _Hazard(Exception):
+    pass
+
+
+class _Views:
+    """Which names hold views of a tap's value, and when they were read, walking a
+    block in the order Python runs it (a loop's body twice: a name read on one
+    iteration may be used on the next)."""
+
+    def __init__(self, layers: frozenset[str], scope: dict[str, Any], model: Any) -> None:
+        self.layers, self.scope, self.model = layers, scope, model
+        self.views: dict[str, int] = {}
+        self.epoch = 0  # how many statements reading a location have run
+
+    def statements(self, body: list[ast.stmt]) -> None:
+        for statement in body:
+            self.statement(statement)
+
+    def statement(self, node: ast.stmt) -> None:
+        if isinstance(node, (ast.For, ast.AsyncFor, ast.While)):
+            self.expression(node.iter if isinstance(node, (ast.For, ast.AsyncFor)) else node.test)
+            if isinstance(node, (ast.For, ast.AsyncFor)):
+                self.bind(node.target, self.is_view(node.iter))
+            for _ in range(2):
+                self.statements(node.body)
+            self.statements(node.orelse)
+            return
+        if isinstance(node, (ast.If, ast.With, ast.AsyncWith, ast.Try)):
+            for field in ("test",):
+                if hasattr(node, field):
+                    self.expression(getattr(node, field))
+            for field in ("body", "orelse", "finalbody"):
+                self.statements(getattr(node, field, []))
+            for handler in getattr(node, "handlers", []):
+                self.statements(handler.body)
+            return
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            raise _Hazard("it defines a function, whose reads cannot be followed")
+        self.expression(node)
+        if isinstance(node, ast.Assign):
+            view = self.is_view(node.value)
+            for target in node.targets:
+                if not isinstance(target, (ast.Name, ast.Tuple, ast.List, ast.Starred)) and view:
+                    raise _Hazard("it keeps a view of a tap's value past its statement")
+                self.bind(target, view)
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)) and node.value is not None:
+            self.bind(node.target, self.is_view(node.value))
+        elif isinstance(node, ast.Return) and node.value is not None:
+            if self.is_view(node.value):
+                raise _Hazard("it keeps a view of a tap's value past its statement")
+
+    def expression(self, node: ast.AST) -> None:
+        if self.reads_a_location(node):
+            self.epoch += 1
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Load):
+                read_at = self.views.get(sub.id)
+                if read_at is not None and read_at < self.epoch:  # a location was read since
+                    raise _Hazard("it uses a view of a tap's value after a later location is read")
+            if isinstance(sub, ast.Call):
+                if any(k.arg in ("inplace", "out") for k in sub.keywords):
+                    raise _Hazard("it calls a function that writes in place")
+                func = sub.func
+                keeps = isinstance(func, ast.Attribute) and func.attr in _KEEPING
+                if keeps and func.attr == "save" and self.is_view(func.value):
+                    raise _Hazard("it saves a view of a tap's value, not a copy")
+                if keeps and any(self.is_view(arg) for arg in sub.args):
+                    raise _Hazard("it keeps a view of a tap's value past its statement")
+                handed = any(self.is_view(a) for a in [*sub.args, *(k.value for k in sub.keywords)])
+                if handed and not keeps and not self.follows(func, len(sub.args)):
+                    raise _Hazard("it hands a tap's value to a call that may keep or write into it")
+            if isinstance(sub, (ast.List, ast.Tuple, ast.Set, ast.Dict)) and not isinstance(
+                getattr(sub, "ctx", ast.Load()), ast.Store
+            ):
+                elements = sub.values if isinstance(sub, ast.Dict) else sub.elts
+                if any(self.is_view(e) for e in elements):
+                    raise _Hazard("it keeps a view of a tap's value past its statement")
+            if isinstance(sub, (ast.ListComp, ast.SetComp, ast.GeneratorExp)) and self.is_view(sub.elt):
+                raise _Hazard("it keeps a view of a tap's value past its statement")
+            if isinstance(sub, ast.DictComp) and self.is_view(sub.value):
+                raise _Hazard("it keeps a view of a tap's value past its statement")
+            if isinstance(sub, (ast.Yield, ast.YieldFrom, ast.Await)):
+                raise _Hazard("it yields or awaits, whose order cannot be followed")
+
+    def follows(self, func: ast.AST, positional: int) -> bool:
+        """Whether a call handed a tap's value is known to keep none of it and write
+        none of it: a builtin that reads (``sum``, ``len``), one of torch's own
+        functions (without ``out=``/``inplace=``, checked above), a method of the
+        value itself, or a module of the model called on it alone (a norm with a
+        residual adds into it in place)."""
+        if isinstance(func, ast.Name):
+            return func.id in _READING_BUILTINS and func.id not in self.scope
+        if isinstance(func, ast.Attribute) and self.is_view(func.value):
+            return not func.attr.endswith("_")
+        root: ast.AST = func
+        while isinstance(root, (ast.Attribute, ast.Subscript)):
+            root = root.value
+        value = self.scope.get(root.id) if isinstance(root, ast.Name) else None
+        if type(value).__name__ == "module" and getattr(value, "__name__", "").split(".")[0] == "torch":
+            return True
+        if value is not None and (value is self.model or _is_envoy(value)):
+            return positional <= 1
+        return False
+
+    def bind(self, target: ast.AST, view: bool) -> None:
+        for node in ast.walk(target):
+            if isinstance(node, ast.Name):
+                if view:
+                    self.views[node.id] = self.epoch
+                else:
+                    self.views.pop(node.id, None)
+
+    def reads_a_location(self, node: ast.AST) -> bool:
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.Attribute) and sub.attr in ("output", "logits", "samples", "result"):
+                return True
+        return False
+
+    def is_view(self, node: ast.AST) -> bool:
+        if isinstance(node, ast.Name):
+            return node.id in self.views
+        if isinstance(node, ast.Attribute):
+            if node.attr == "output":
+                return True  # a tap's value itself
+            return node.attr in _ALIASING and self.is_view(node.value)
+        if isinstance(node, ast.Subscript):
+            return self.is_view(node.value)
+        if isinstance(node, ast.Starred):
+            return self.is_view(node.value)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            return node.func.attr in _ALIASING and self.is_view(node.func.value)
+        if isinstance(node, (ast.Tuple, ast.List)):
+            return any(self.is_view(e) for e in node.elts)
+        if isinstance(node, ast.IfExp):
+            return self.is_view(node.body) or self.is_view(node.orelse)
+        if isinstance(node, ast.NamedExpr):
+            return self.is_view(node.value)
+        return False
+
+
+#: Builtins that read a value and keep nothing of it.
+_READING_BUILTINS = frozenset({"sum", "len", "print", "str", "repr", "float", "int", "bool", "isinstance"})

@@ -143,6 +143,8 @@ class Lowering:
             sites = replayable(
                 nns.block_source(mediator), nns.block_scope(mediator), model, tables, _modules(model)
             )
+        if isinstance(sites, tuple) and not all(s in tables.pair_sites for s in sites):
+            sites = None  # served as the pair of values kept: a longer tuple is not that
         if not isinstance(sites, tuple):
             self.paths.python(request.id, why.kind, why.reason)
             return False

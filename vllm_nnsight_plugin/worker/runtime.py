@@ -338,7 +338,7 @@ class WorkerRuntime:
         if self.kernels is not None:
             self.kernels.restore()  # the forward is over
         if step.phase is Phase.SCHEDULED:
-            self._start(step)
+            self._start_at_the_sampler(step)
         if step.phase is not Phase.FORWARD:
             return None
         model = self.model
@@ -358,6 +358,19 @@ class WorkerRuntime:
             return None
         return new
 
+    def _start_at_the_sampler(self, step: Step) -> None:
+        """Open the interleaver after a forward no block needed. A block served a tap
+        here (``taps/replay.py``) starts here too: what it runs before its first
+        read runs with the kernels it would get in a Python step's forward."""
+        kernels = self.kernels if self.lowering.replays else None
+        if kernels is not None:
+            kernels.use()
+        try:
+            self._start(step)
+        finally:
+            if kernels is not None:
+                kernels.restore()
+
     def _replay(self, step: Step) -> None:
         """Serve each tap that blocks read at the sampler, where the forward did not
         reach it (compiled, or graphed): its value for this step, the kept rows of
@@ -369,6 +382,10 @@ class WorkerRuntime:
         for request_id, count in step.spans:
             lowered = replays.get(request_id)
             if lowered is not None and count and _waiting(tracked.get(request_id)):
+                if 2 * count > lowered.rows:  # cannot happen: its region holds its prompt and tokens
+                    logger.error("vllm-nnsight: request %s has more rows than its region", request_id)
+                    offset += count
+                    continue  # never served: its block ends with an error, not another's rows
                 for site, base in lowered.regions:
                     at.setdefault(site, []).append((offset, count, base))
             offset += count
