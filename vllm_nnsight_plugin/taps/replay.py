@@ -39,7 +39,7 @@ import functools
 from typing import Any
 
 from .forms import Index, _module_path
-from .lower import Unlowered, _site
+from .lower import Unlowered, _is_envoy, _site
 
 #: Stands for the root of a location read on something that is not a name.
 _STRAY = "\x00"
@@ -199,10 +199,9 @@ def replayable(
                 return Unlowered("form", "it calls a module that needs the forward (attention or experts)")
             continue
         at = path.index("output", 1)
-        module_path = _module_path(_rebuilt(path[:at]))
+        module_path, where = _where(path[:at], scope, model)
         if module_path is not None and any(isinstance(p, Index) and p.name in bound for p in module_path):
             return Unlowered("form", "it names a layer by a name it binds itself")
-        where = None if module_path is None else _site(module_path, scope, model)
         site = None if where is None else tables.site_of.get(where)
         if site is None:
             shown = where if where is not None else ".".join(str(p) for p in path[:at])
@@ -212,7 +211,7 @@ def replayable(
         sites.add(site)
     if not sites:
         return Unlowered("form", "it reads no tap")
-    hazard = _aliasing(source, frozenset(layers), scope, model)
+    hazard = _aliasing(source, scope, model)
     if hazard is not None:
         return Unlowered("form", hazard)
     return tuple(sorted(sites))
@@ -231,8 +230,7 @@ def _children(
     """The tap sites of each module a loop over ``chain`` takes (a list of the
     model's modules, each a ``(hidden, residual)`` tap), in order."""
     module = _module_at(chain, scope, model, module_at)
-    module_path = _module_path(_rebuilt(chain))
-    where = None if module_path is None else _site(module_path, scope, model)
+    _, where = _where(chain, scope, model)
     if module is None or where is None or not hasattr(module, "__len__"):
         return Unlowered("form", "it loops over something of the model other than a list of its modules")
     sites = []
@@ -250,11 +248,17 @@ def _module_at(path: tuple, scope: dict[str, Any], model: Any, module_at: Any) -
     """The model's module a chain names (constant or captured indices only), or None."""
     if module_at is None:
         return None
-    module_path = _module_path(_rebuilt(path))
+    module_path, where = _where(path, scope, model)
     if module_path is not None and any(isinstance(p, Index) for p in module_path):
         return None  # a module named by an index: only taps are named so
-    where = None if module_path is None else _site(module_path, scope, model)
     return None if where is None else module_at(where)
+
+
+def _where(path: tuple, scope: dict[str, Any], model: Any) -> tuple[tuple | None, str | None]:
+    """A chain as a module path (``forms._module_path``), and the module's path
+    relative to the model that it names (``lower._site``), each None where none."""
+    module_path = _module_path(_rebuilt(path))
+    return module_path, None if module_path is None else _site(module_path, scope, model)
 
 
 def _is_model_call(chain: tuple | None, scope: dict[str, Any], model: Any, module_at: Any) -> bool:
@@ -290,12 +294,6 @@ def _rebuilt(path: tuple) -> ast.expr:
     return node
 
 
-def _is_envoy(value: Any) -> bool:
-    from nnsight.intervention.envoy import Envoy
-
-    return isinstance(value, Envoy)
-
-
 @functools.lru_cache(maxsize=1024)
 def _attributes(source: str) -> frozenset[str]:
     return frozenset(node.attr for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Attribute))
@@ -313,14 +311,14 @@ _ALIASING = frozenset(
 _KEEPING = frozenset({"save", "append", "extend", "insert", "add", "update", "setdefault"})
 
 
-def _aliasing(source: str, layers: frozenset[str], scope: Any = None, model: Any = None) -> str | None:
+def _aliasing(source: str, scope: Any = None, model: Any = None) -> str | None:
     """Why serving the block at the sampler could differ from the Python path, where
     a tap's value is the step's own buffer, which the next layer of a Python step
     may overwrite in place (vLLM's fused residual add and norm): a view of a tap's
     value used after a later location is read, or kept past its statement; a call
     that writes in place. None where neither can happen."""
     tree = ast.parse(source)
-    state = _Views(layers, scope or {}, model)
+    state = _Views(scope or {}, model)
     try:
         state.statements(tree.body)
     except _Hazard as hazard:
@@ -337,8 +335,8 @@ class _Views:
     block in the order Python runs it (a loop's body twice: a name read on one
     iteration may be used on the next)."""
 
-    def __init__(self, layers: frozenset[str], scope: dict[str, Any], model: Any) -> None:
-        self.layers, self.scope, self.model = layers, scope, model
+    def __init__(self, scope: dict[str, Any], model: Any) -> None:
+        self.scope, self.model = scope, model
         self.views: dict[str, int] = {}
         self.epoch = 0  # how many statements reading a location have run
 
