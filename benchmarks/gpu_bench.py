@@ -26,6 +26,8 @@ Engines (MODEL_DIR holds a config and tokenizer; weights are ``load_format="dumm
 
 ``GPU_BENCH_LAYER`` and ``GPU_BENCH_PROMPT_LEN`` move the layer (18) and the prompt
 length (32), so that no figure depends on one setting.
+``GPU_BENCH_TAPS`` (patterns, comma-separated) replaces the tapped engines' one
+tap, e.g. ``model.layers.*.output`` for every layer (the jobs still use ``LAYER``).
 ``GPU_BENCH_REAL=1`` loads real weights (e.g. SmolLM2) instead of dummy ones;
 ``GPU_BENCH_SMALL=1`` shrinks everything for a dry run of the script on a CPU.
 
@@ -69,6 +71,7 @@ LAYER = 18
 # Another layer and prompt length, so that no figure is tuned to one setting.
 LAYER = int(os.environ.get("GPU_BENCH_LAYER", LAYER))
 PROMPT_LEN = int(os.environ.get("GPU_BENCH_PROMPT_LEN", PROMPT_LEN))
+TAPS = [t for t in os.environ.get("GPU_BENCH_TAPS", "").split(",") if t] or [f"model.layers.{LAYER}.output"]
 ENGINE = dict(
     load_format="dummy",
     dtype="bfloat16",
@@ -322,8 +325,14 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
     plugin, kind = name.split("-")
     extra = {}
     if kind == "taps":  # graphs, with the benchmark's layer tapped
-        extra = {"additional_config": {"nnsight_taps": [f"model.layers.{LAYER}.output"]}}
-    result(engine=name, job="setting", layer=LAYER, prompt_len=PROMPT_LEN)
+        extra = {"additional_config": {"nnsight_taps": TAPS}}
+    result(
+        engine=name,
+        job="setting",
+        layer=LAYER,
+        prompt_len=PROMPT_LEN,
+        taps=",".join(TAPS) if kind == "taps" else "",
+    )
     t0 = time.perf_counter()
     llm = LLM(path, enforce_eager=(kind == "eager"), **ENGINE, **extra)
     result(engine=name, job="startup", s=round(time.perf_counter() - t0, 1))
@@ -537,7 +546,7 @@ def profile_engine(path: str, graphs: bool = False, taps: bool = False) -> None:
     from profile_cpu import split, top
 
     name = "profile-taps" if taps else "profile-graphs" if graphs else "profile"
-    extra = {"additional_config": {"nnsight_taps": [f"model.layers.{LAYER}.output"]}} if taps else {}
+    extra = {"additional_config": {"nnsight_taps": TAPS}} if taps else {}
     llm = LLM(path, enforce_eager=not graphs, **ENGINE, **extra)
     model = VLLM(llm)
     vector, few, swept = unit_vector(path), prompts(CONCURRENT), fresh_prompts(SWEEP, 20)

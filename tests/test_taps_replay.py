@@ -164,6 +164,54 @@ def test_beside_a_python_block_the_forward_serves_it_and_nothing_is_served_twice
         torch.testing.assert_close(got, expected, **BATCHED)  # batched otherwise
 
 
+def encode(stream, features):
+    """An SAE encoder as the docs' page writes one: a helper of the user's."""
+    return torch.relu(stream.float() @ features["encoder"].to(stream.device))
+
+
+def features_each_step(model, features, twin: bool):
+    if not twin:
+        with model.trace(PROMPTS[1], temperature=0.0, max_tokens=3) as tracer:
+            top = list().save()
+            for _ in tracer.iter[:3]:
+                out = model.model.layers[10].output
+                top.append(encode(out[0] + out[1], features).topk(3, dim=-1).values)
+            result = tracer.result.save()
+        return top, result
+    with model.trace(PROMPTS[1], temperature=0.0, max_tokens=3) as tracer:
+        top = list().save()
+        for _ in tracer.iter[:3]:
+            model.model.embed_tokens.output.clone()  # no tap: the block runs as Python
+            out = model.model.layers[10].output
+            top.append(encode(out[0] + out[1], features).topk(3, dim=-1).values)
+        result = tracer.result.save()
+    return top, result
+
+
+def zero_first(h):
+    h[0] = 0
+    return h
+
+
+def test_a_helper_that_only_computes_is_served_with_its_block_bit_for_bit(smollm2_llm, smol):
+    """A captured function is read from its source: one that writes nothing and
+    reaches nothing of the model keeps its block at the sampler."""
+    torch.manual_seed(0)
+    features = {"encoder": torch.randn(576, 64)}
+    top, result = features_each_step(smol, features, twin=False)
+    assert result.nnsight_path == REPLAY
+    want, want_result = features_each_step(smol, features, twin=True)
+    assert len(top) == len(want) == 3 and top[0].shape[0] > 1
+    for got, expected in zip(top, want):
+        assert torch.equal(got, expected)
+    assert list(result.outputs[0].token_ids) == list(want_result.outputs[0].token_ids)
+    with smol.trace(PROMPTS[1], temperature=0.0, max_tokens=1) as tracer:
+        out = smol.model.layers[10].output
+        zero_first(out[0] + out[1]).norm().save()  # a copy: but the helper writes
+        written = tracer.result.save()
+    assert not written.nnsight_path["lowered"] and written.nnsight_path["reason"]
+
+
 def test_what_is_not_served_at_the_sampler_runs_as_python(smollm2_llm, smol):
     """A write, a module used other than by a call, a parameter, a loop over the
     layers: each stays on the Python path."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_nnsight_plugin.worker.writes import may_write
+from vllm_nnsight_plugin.worker.writes import may_write, reads_only
 
 
 class Tracer:
@@ -36,6 +36,7 @@ WRITES = {
     "an in-place method": "model.x.output[0].add_(vector)",
     "a dunder": "model.x.output[0].__setitem__(0, 1)",
     "out=": "torch.add(vector, 1, out=model.x.output[0])",
+    "inplace=": "torch.nn.functional.relu(model.x.output[0], inplace=True)",
     "a skip": "model.x.skip(vector)",
     ".data": "model.x.output[0].data.zero()",
     ".numpy()": "a = model.x.output[0].numpy()",
@@ -62,3 +63,104 @@ def test_a_possible_writer_is_taken_to_write(source):
 def test_no_source_or_one_that_does_not_parse_may_write():
     assert may_write(None, SCOPE, MODEL, Tracer)
     assert may_write("for for", SCOPE, MODEL, Tracer)
+
+
+# Helpers a block calls: read on the worker from their source (nnsight rebuilds a
+# captured function from it), so a block calling one that only computes reads.
+WEIGHTS = {"encoder": torch.ones(3, 2), "bias": torch.zeros(2)}
+
+
+def encode(stream, sae):
+    weights = sae["encoder"].to(stream.device)
+    return torch.relu(stream.float() @ weights + sae["bias"].to(stream.device))
+
+
+def top_features(stream):
+    return encode(stream, WEIGHTS).topk(1, dim=-1).indices
+
+
+def scaled(stream, by=2.0):
+    return stream * by
+
+
+def writes_its_argument(h):
+    h[:] = 0
+    return h
+
+
+def zeroes_in_place(h):
+    return h.zero_()
+
+
+def reaches_the_model(h):
+    return MODEL
+
+
+def reads_a_location(envoy):
+    return envoy.output[0].clone()
+
+
+def activates_in_place(h):
+    return torch.nn.functional.relu(h, inplace=True)
+
+
+def counts(h):
+    total = 0
+    total += h.sum()
+    return total
+
+
+def calls_a_writer(h):
+    return writes_its_argument(h.clone())
+
+
+def _closure(value):
+    def inner(h):
+        return h + value
+
+    return inner
+
+
+@pytest.mark.parametrize(
+    "helper",
+    [encode, top_features, scaled, _closure(torch.ones(3)), _closure(1.5)],
+    ids=["torch and data", "another helper", "a default", "a closure of a tensor", "a closure of a number"],
+)
+def test_a_helper_that_only_computes_reads(helper):
+    assert reads_only(helper, [10_000])
+    scope = {**SCOPE, "helper": helper}
+    assert not may_write("acts = helper(model.x.output[0] + model.x.output[1]).save()", scope, MODEL, Tracer)
+
+
+@pytest.mark.parametrize(
+    "helper",
+    [
+        writes_its_argument,
+        zeroes_in_place,
+        activates_in_place,
+        reaches_the_model,
+        reads_a_location,
+        counts,
+        calls_a_writer,
+        _closure(MODEL),
+        lambda h: h,
+        print,
+        torch.nn.Linear(3, 3),
+    ],
+    ids=[
+        "a subscript write",
+        "an in-place method",
+        "inplace=",
+        "the model in its globals",
+        "a location",
+        "a name augmented",
+        "a helper that writes",
+        "the model in its closure",
+        "a lambda",
+        "a builtin",
+        "a module",
+    ],
+)
+def test_a_helper_that_may_write_or_reach_the_model_is_taken_to_write(helper):
+    assert not reads_only(helper, [10_000])
+    assert may_write("helper(model.x.output[0])", {**SCOPE, "helper": helper}, MODEL, Tracer)

@@ -15,11 +15,14 @@ A block may write when its source:
   or augments one (``h[:, 5] += v``), or augments a bare name (``h += v`` is in
   place when ``h`` is a tensor, which the source cannot tell from a counter);
 - calls a method named like an in-place one (``add_``, ``zero_``, ``copy_``, an
-  ``__i*__`` or ``__setitem__``), passes ``out=``, or skips a module (``skip``);
+  ``__i*__`` or ``__setitem__``), passes ``out=`` or ``inplace=``, or skips a
+  module (``skip``);
 - reaches memory around the tensor API (``.data``, ``.numpy()``, storages);
-- calls a function or object it captured (its body is not in the source; plain
-  data, the model's tree, the tracer and torch's functions are fine), or
-  reaches names indirectly (``getattr``, ``exec``, an import, ...).
+- calls a function or object it captured, unless it is a plain function that
+  itself only reads (:func:`reads_only`: its source, as nnsight rebuilt it on the
+  worker, read the same way, and what it captured); plain data, the model's
+  tree, the tracer and torch's functions are fine; or reaches names indirectly
+  (``getattr``, ``exec``, an import, ...).
 
 Writes to ``model.logits`` and ``model.samples`` (the model's own names for
 them, on the object that is the model) do not count: they choose tokens, and
@@ -30,9 +33,12 @@ from __future__ import annotations
 
 import ast
 import functools
+import inspect
+import textwrap
+import types
 from typing import Any
 
-from .reach import INDIRECT, _library, _plain
+from .reach import INDIRECT, _library, _plain, name_uses
 
 #: What a block may write on the model and still be replayed by a recompute.
 SAMPLER = frozenset({"logits", "samples"})
@@ -112,7 +118,7 @@ def _reading(source: str, models: frozenset[str]) -> tuple[bool, frozenset[str]]
                 _in_place(node.func.attr) or node.func.attr == "skip"
             ):
                 return False, frozenset()
-            if any(keyword.arg == "out" for keyword in node.keywords):
+            if any(keyword.arg in ("out", "inplace") for keyword in node.keywords):
                 return False, frozenset()
             root = _root(node.func)
             if isinstance(root, ast.Name):
@@ -137,8 +143,74 @@ def may_write(source: str | None, scope: dict[str, Any], model: Any, tracer_type
         value = scope[name]
         if value is model or isinstance(value, tracer_type) or _library(value) or _plain(value, budget):
             continue  # the tree's and the tracer's methods, torch's functions, data's methods
+        if reads_only(value, budget):
+            continue  # a helper of the user's that computes on what it is handed
         return True
     return False
+
+
+#: What a helper may not name at all: the model's locations and the tracer's
+#: steps, which only the block itself may use (the model never reaches it).
+_NOT_IN_A_HELPER = frozenset(
+    {"output", "input", "inputs", "source", "cache", "iter", "stop", "next", "skip", "result",
+     "logits", "samples", "save", "edit", "invoke", "trace"}
+)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=256)
+def _helper_reads(source: str, name: str) -> frozenset[str] | None:
+    """The names a helper's source uses, where it is one undecorated ``def name``
+    that writes nothing, reaches no name indirectly and names no location;
+    otherwise None."""
+    try:
+        tree = ast.parse(textwrap.dedent(source))
+    except SyntaxError:
+        return None
+    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.FunctionDef):
+        return None
+    definition = tree.body[0]
+    if definition.name != name or definition.decorator_list:
+        return None
+    text = ast.unparse(definition)
+    reading, _ = _reading(text, frozenset())
+    uses = name_uses(text)
+    if not reading or uses is None or uses.keys() & INDIRECT:
+        return None
+    if any(isinstance(n, ast.Attribute) and n.attr in _NOT_IN_A_HELPER for n in ast.walk(tree)):
+        return None
+    return frozenset(uses)
+
+
+def reads_only(value: Any, budget: list[int], depth: int = 0) -> bool:
+    """Whether a captured function only computes on what it is handed: a plain
+    function whose source (``inspect``: nnsight registers a rebuilt function's
+    source) writes nothing and names no location, and whose every captured value
+    (globals, closure, defaults) is data, a library, or such a function. The
+    model, its modules and the tracer are none of these, so it cannot reach them;
+    the block's own check sees what it hands the function."""
+    if type(value) is not types.FunctionType or depth > 3:
+        return False
+    try:
+        source = inspect.getsource(value)
+    except (OSError, TypeError):
+        return False  # no source: its body cannot be read
+    names = _helper_reads(source, value.__code__.co_name)
+    if names is None:
+        return False
+    cells = dict(zip(value.__code__.co_freevars, value.__closure__ or ()))
+    captured = []
+    for name in names:
+        if name in cells:
+            try:
+                captured.append(cells[name].cell_contents)
+            except ValueError:  # a cell not filled yet
+                return False
+        elif name in value.__globals__:
+            captured.append(value.__globals__[name])
+    captured += [*(value.__defaults__ or ()), *(value.__kwdefaults__ or {}).values()]
+    return all(
+        _library(item) or _plain(item, budget) or reads_only(item, budget, depth + 1) for item in captured
+    )
 
 
 def writes(mediator: Any) -> bool:
