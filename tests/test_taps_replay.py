@@ -212,9 +212,46 @@ def test_a_helper_that_only_computes_is_served_with_its_block_bit_for_bit(smollm
     assert not written.nnsight_path["lowered"] and written.nnsight_path["reason"]
 
 
+def lens_by_hand(model, twin: bool):
+    """The performance page's lens, written out: the final norm's weight and
+    epsilon, and the unembedding's weight, read inside the block."""
+    if not twin:
+        with model.trace(PROMPTS[0], temperature=0.0, max_tokens=2) as tracer:
+            tops = list().save()
+            for _ in tracer.iter[:2]:
+                hidden, residual = model.model.layers[20].output
+                stream = hidden[-1:] + residual[-1:]
+                norm = model.model.norm
+                scale = torch.rsqrt(stream.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+                tops.append(((stream * scale * norm.weight) @ model.lm_head.weight.T).topk(5, dim=-1))
+            result = tracer.result.save()
+        return tops, result
+    with model.trace(PROMPTS[0], temperature=0.0, max_tokens=2) as tracer:
+        tops = list().save()
+        for _ in tracer.iter[:2]:
+            model.model.embed_tokens.output.clone()  # no tap: the block runs as Python
+            hidden, residual = model.model.layers[20].output
+            stream = hidden[-1:] + residual[-1:]
+            norm = model.model.norm
+            scale = torch.rsqrt(stream.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+            tops.append(((stream * scale * norm.weight) @ model.lm_head.weight.T).topk(5, dim=-1))
+        result = tracer.result.save()
+    return tops, result
+
+
+def test_what_modules_hold_is_read_at_the_sampler_bit_for_bit(smollm2_llm, smol):
+    tops, result = lens_by_hand(smol, twin=False)
+    assert result.nnsight_path == REPLAY
+    want, want_result = lens_by_hand(smol, twin=True)
+    assert len(tops) == len(want) == 2
+    for got, expected in zip(tops, want):
+        assert torch.equal(got.values, expected.values) and torch.equal(got.indices, expected.indices)
+    assert list(result.outputs[0].token_ids) == list(want_result.outputs[0].token_ids)
+
+
 def test_what_is_not_served_at_the_sampler_runs_as_python(smollm2_llm, smol):
-    """A write, a module used other than by a call, a parameter, a loop over the
-    layers: each stays on the Python path."""
+    """A write, a module used other than by a call, the model's config, a loop over
+    the layers (not every one a tap here): each stays on the Python path."""
     paths = []
     with smol.trace(PROMPTS[0], temperature=0.0, max_tokens=1) as tracer:
         out = smol.model.layers[10].output
@@ -225,7 +262,7 @@ def test_what_is_not_served_at_the_sampler_runs_as_python(smollm2_llm, smol):
         smol.model.layers[10].output[0].norm().save()
         paths.append(tracer.result.save())
     with smol.trace(PROMPTS[0], temperature=0.0, max_tokens=1) as tracer:
-        (smol.model.layers[10].output[0] @ smol.lm_head.weight.T).save()
+        (smol.model.layers[10].output[0] * smol.config.hidden_size).save()
         paths.append(tracer.result.save())
     with smol.trace(PROMPTS[0], temperature=0.0, max_tokens=1) as tracer:
         for layer in smol.model.layers:
@@ -305,8 +342,18 @@ def test_replayable_reads_the_block_not_its_spelling(smollm2_llm, smol):
     assert isinstance(not_a_tap, Unlowered) and not_a_tap.kind == "not_a_tap"
     attends = check("x = model.model.layers[3].self_attn(block.output[0])")
     assert isinstance(attends, Unlowered) and "needs the forward" in attends.reason
-    weight = check("x = block.output[0] @ model.lm_head.weight")
-    assert isinstance(weight, Unlowered) and "other than through a tap" in weight.reason
+    # What a module holds is read as the Python path reads it; a module named once
+    # by the block's own name stands for it.
+    assert check("x = block.output[0] @ model.lm_head.weight.T") == (0,)
+    assert check("x = block.output[0] * model.model.norm.eps") == (0,)
+    held = "norm = model.model.norm\nx = norm(block.output[0] * 1.0) * norm.weight"
+    assert check(held) == (0,)
+    method = check("x = block.output[0] * model.model.norm.forward")
+    assert isinstance(method, Unlowered) and "other than through a tap" in method.reason
+    twice = check("norm = model.model.norm\nnorm = None\nx = block.output[0]")
+    assert isinstance(twice, Unlowered) and "other than by calling it" in twice.reason
+    named = check("a = model.model.layers[3].self_attn\nx = a(block.output[0] * 1.0)")
+    assert isinstance(named, Unlowered) and "needs the forward" in named.reason
     handed = check("x = block.output[0]\nprint(model.lm_head)")
     assert isinstance(handed, Unlowered) and "other than by calling it" in handed.reason
     entered = check("x = block.output[0]\ny = model.model.layers[3].input")

@@ -20,8 +20,12 @@ A block is served so only where that is certain:
   that holds no attention layer and no experts, which need the step's forward
   (the worker runs the call with the kernels of a Python step); a loop over a
   list of the model's modules (``for layer in model.model.layers``) names each,
-  every one a tap; no parameter, ``.input`` or ``.source``, and no location of
-  a module reached other than by its name on the model;
+  every one a tap; a parameter, buffer or number a module holds
+  (``model.lm_head.weight``, ``norm.variance_epsilon``), read as it is on the
+  Python path; a module named once by a name of the block's own
+  (``norm = model.model.norm``) stands for that module; no ``.input`` or
+  ``.source``, and no location of a module reached other than by its name on
+  the model;
 - no view of a tap's value (``h = layer.output[0]``, ``h[-1]``) is saved,
   kept in a container, handed to a call that may keep or write it, or used after
   a later location is read: on the Python path it is the step's own buffer, which
@@ -49,6 +53,20 @@ _AT_THE_SAMPLER = frozenset({"logits", "samples", "tokenizer"})
 
 
 @functools.lru_cache(maxsize=1024)
+def _stores(source: str) -> dict[str, int]:
+    """How often the block binds each name (a function's argument counts twice:
+    it is never one assignment's alone)."""
+    stores: dict[str, int] = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            stores[node.id] = stores.get(node.id, 0) + 1
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            for arg in node.args.args + node.args.kwonlyargs:
+                stores[arg.arg] = stores.get(arg.arg, 0) + 2
+    return stores
+
+
+@functools.lru_cache(maxsize=1024)
 def _loops(source: str) -> dict[str, tuple] | None:
     """The names a ``for`` loop or comprehension binds to each item of a chain
     (``for layer in model.model.layers``), where the block binds that name
@@ -57,13 +75,7 @@ def _loops(source: str) -> dict[str, tuple] | None:
         tree = ast.parse(source)
     except SyntaxError:
         return None
-    stores: dict[str, int] = {}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-            stores[node.id] = stores.get(node.id, 0) + 1
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-            for arg in node.args.args + node.args.kwonlyargs:
-                stores[arg.arg] = stores.get(arg.arg, 0) + 2  # never a loop's alone
+    stores = _stores(source)
     found: dict[str, tuple] = {}
     for node in ast.walk(tree):
         if isinstance(node, (ast.For, ast.comprehension)) and isinstance(node.target, ast.Name):
@@ -74,10 +86,11 @@ def _loops(source: str) -> dict[str, tuple] | None:
 
 
 @functools.lru_cache(maxsize=1024)
-def _uses(source: str) -> tuple[tuple[tuple, bool, tuple | None], ...] | None:
+def _uses(source: str) -> tuple[tuple[tuple, bool, tuple | None, str | None], ...] | None:
     """Each maximal chain of attributes and indices in the block that starts at a
     name, as (the chain, whether it is called, the chain of the call it is a
-    positional argument of); None where the source does not parse."""
+    positional argument of, the name it is assigned to where it is the whole value
+    of ``name = <chain>``); None where the source does not parse."""
     try:
         tree = ast.parse(source)
     except SyntaxError:
@@ -107,11 +120,15 @@ def _uses(source: str) -> tuple[tuple[tuple, bool, tuple | None], ...] | None:
         argument_of = None
         if isinstance(parent, ast.Call) and any(arg is top for arg in parent.args):
             argument_of = _chain(parent.func)
-        uses.append((path, called, argument_of))
+        assigned = None
+        if isinstance(parent, ast.Assign) and parent.value is top and len(parent.targets) == 1:
+            target = parent.targets[0]
+            assigned = target.id if isinstance(target, ast.Name) else None
+        uses.append((path, called, argument_of, assigned))
     for node in ast.walk(tree):  # a location on something that is not a chain from a name
         if isinstance(node, ast.Attribute) and node.attr in _READS:
             if _chain(node) is None:
-                uses.append(((_STRAY, node.attr), False, None))
+                uses.append(((_STRAY, node.attr), False, None, None))
     return tuple(uses)
 
 
@@ -169,8 +186,25 @@ def replayable(
                 return taken
             layers[name] = taken
     iterated = {loops[name] for name in layers}
+    # names the block gives a module of the model once (``norm = model.model.norm``)
+    stores = _stores(source)
+    named = {
+        assigned: path
+        for path, called, _, assigned in uses
+        if assigned is not None
+        and stores.get(assigned) == 1
+        and not called
+        and path[0] not in bound
+        and (scope.get(path[0]) is model or _is_envoy(scope.get(path[0])))
+        and not _LOCATIONS.union(_READS).intersection(p for p in path if isinstance(p, str))
+        and _module_at(path, scope, model, module_at) is not None
+    }
     sites: set[int] = set()
-    for path, called, argument_of in uses:
+    for path, called, argument_of, assigned in uses:
+        if assigned is not None and named.get(assigned) == path:
+            continue  # the naming itself: its uses are followed as the module's
+        if path[0] in named:
+            path = named[path[0]] + path[1:]
         if path[0] in layers:  # a layer of a loop over the model's layers
             if len(path) < 2 or path[1] != "output":
                 return Unlowered("form", "it uses a layer of its loop other than through its output")
@@ -186,11 +220,13 @@ def replayable(
             continue  # not the model: a plain value
         if head is model and len(path) >= 2 and path[1] in _AT_THE_SAMPLER:
             continue
-        named = [part for part in path[1:] if isinstance(part, str)]
-        if "output" not in named:
-            if _LOCATIONS.intersection(named):
+        parts = [part for part in path[1:] if isinstance(part, str)]
+        if "output" not in parts:
+            if _LOCATIONS.intersection(parts):
                 return Unlowered("form", "it reads a location other than a tap's output")
             module = _module_at(path, scope, model, module_at)
+            if module is None and _held(path, scope, model, module_at):
+                continue  # a parameter, buffer or number of a module: read as Python reads it
             if module is None:
                 return Unlowered("form", "it uses the model other than through a tap's output")
             if not (called or _is_model_call(argument_of, scope, model, module_at)):
@@ -242,6 +278,24 @@ def _children(
             return Unlowered("form", "it reads a tap whose value is not a (hidden, residual) pair")
         sites.append(site)
     return tuple(sites)
+
+
+def _held(path: tuple, scope: dict[str, Any], model: Any, module_at: Any) -> bool:
+    """Whether a chain reads a parameter, buffer or number a module of the model
+    holds (``model.lm_head.weight.T``, ``model.model.norm.variance_epsilon``):
+    the same object on the Python path, and nothing the forward computes."""
+    for end in range(len(path) - 1, 1, -1):
+        name = path[end]
+        if not isinstance(name, str):
+            continue
+        module = _module_at(path[:end], scope, model, module_at)
+        if module is None:
+            continue
+        if name in getattr(module, "_parameters", {}) or name in getattr(module, "_buffers", {}):
+            return True
+        held = vars(module).get(name)
+        return type(held) in (int, float, bool)
+    return False
 
 
 def _module_at(path: tuple, scope: dict[str, Any], model: Any, module_at: Any) -> Any:
