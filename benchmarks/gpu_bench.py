@@ -28,6 +28,7 @@ Engines (MODEL_DIR holds a config and tokenizer; weights are ``load_format="dumm
 length (32), so that no figure depends on one setting.
 ``GPU_BENCH_TAPS`` (patterns, comma-separated) replaces the tapped engines' one
 tap, e.g. ``model.layers.*.output`` for every layer (the jobs still use ``LAYER``).
+``GPU_BENCH_IDLE_ONLY=1`` stops after the plain jobs (what the plugin costs an idle engine).
 ``GPU_BENCH_REAL=1`` loads real weights (e.g. SmolLM2) instead of dummy ones;
 ``GPU_BENCH_SMALL=1`` shrinks everything for a dry run of the script on a CPU.
 
@@ -358,7 +359,7 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
     batches = [fresh_prompts(SWEEP, run) for run in range(3)]
     walls = [timed(functools.partial(llm.generate, batch, one, use_tqdm=False)) for batch in batches]
     result(engine=name, job="plain_sweep", ms=round(1000 * statistics.median(walls), 1))
-    if plugin == "off":
+    if plugin == "off" or os.environ.get("GPU_BENCH_IDLE_ONLY"):
         return
 
     from vllm_nnsight_plugin import VLLM

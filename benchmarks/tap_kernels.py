@@ -1,12 +1,12 @@
-"""What a tap costs a graphed step when no row of it is lowered, per design.
+"""What a tap costs a graphed step, as tensor operations and as one kernel.
 
-Every decoder layer tapped costs 13-18% of an idle step with today's operations
-(``taps/ops.py``: ``steer`` and ``keep``, about 15 small kernels a tap; see
-``RESULTS.md``, 2026-12-04). This measures, outside vLLM, the two operations for
-36 taps captured in one CUDA graph against one fused kernel a tap that steers in
-place and keeps in the same pass, returning at once for a row nobody touches;
-and checks that the fused kernel computes what today's operations compute, bit
-for bit, on a table with steered and kept rows.
+With every decoder layer tapped, the tap as two operations of tensor code
+(``taps/ops.py``: ``steer`` and ``keep``, about 15 small kernels a tap) took
+13-18% of an idle step (``RESULTS.md``, 2026-12-04). This measures, outside
+vLLM, those two operations for 36 taps captured in one CUDA graph against the
+tap operation's Triton kernel (one a tap: it steers and keeps in one pass, and
+a row nobody touches costs one copy), idle and with busy tables, and checks
+that the kernel computes what the two operations compute, bit for bit.
 
     python benchmarks/tap_kernels.py        # a CUDA device with Triton
 
@@ -21,8 +21,6 @@ from functools import partial
 from pathlib import Path
 
 import torch
-import triton
-import triton.language as tl
 
 HIDDEN, SITES, ROWS, ENTRIES, STORE = 4096, 36, 8192, 256, 1 << 17
 
@@ -34,35 +32,6 @@ def _ops():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-@triton.jit
-def _tap(hidden, residual, table, bank, store, site, sites, H: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    at = table + row * 3 * sites + site
-    slot = tl.load(at)
-    code = tl.load(at + sites)
-    if (slot >= 0) | (code != 0):  # otherwise the row is left as it is
-        dest = tl.load(at + 2 * sites).to(tl.int64)
-        for start in range(0, H, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            h = tl.load(hidden + row * H + offs)
-            if slot >= 0:
-                h = (h.to(tl.float32) + tl.load(bank + slot.to(tl.int64) * H + offs)).to(h.dtype)
-                tl.store(hidden + row * H + offs, h)
-            if code != 0:
-                r = tl.load(residual + row * H + offs)
-                kept = tl.where(code == 2, r, h)
-                kept = tl.where(code == 3, (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype), kept)
-                tl.store(store + dest * H + offs, kept)
-                if code == 4:
-                    tl.store(store + (dest + 1) * H + offs, r)
-
-
-def fused(hidden, residual, table, bank, store, site):
-    rows = hidden.shape[0]
-    _tap[(rows,)](hidden, residual, table, bank, store, site, SITES, H=HIDDEN, BLOCK=1024)
-    return hidden
 
 
 def tables(rows: int, busy: bool):
@@ -84,7 +53,7 @@ def tables(rows: int, busy: bool):
     return table, bank, store
 
 
-def today(ops, hidden, residual, table, bank, store):
+def tensor_ops(ops, hidden, residual, table, bank, store):
     slots, codes, dest = (table[:, part].t() for part in range(3))
     for site in range(SITES):
         hidden = ops.steer(hidden, slots, bank, site)
@@ -92,9 +61,9 @@ def today(ops, hidden, residual, table, bank, store):
     return hidden
 
 
-def fused_all(hidden, residual, table, bank, store):
+def kernel(ops, hidden, residual, table, bank, store):
     for site in range(SITES):
-        fused(hidden, residual, table, bank, store, site)
+        hidden = ops.tap(hidden, residual, table, bank, store, site, True)
     return hidden
 
 
@@ -125,14 +94,19 @@ def measure(ops, rows: int) -> dict:
     # the same result, bit for bit, on a busy table
     table, bank, store = tables(rows, busy=True)
     want_store = store.clone()
-    want = today(ops, hidden.clone(), residual, table, bank, want_store)
-    got = fused_all(hidden.clone(), residual, table, bank, store)
-    same = torch.equal(want, got) and torch.equal(want_store[1:], store[1:])  # row 0: today's sink
+    want = tensor_ops(ops, hidden.clone(), residual, table, bank, want_store)
+    got = kernel(ops, hidden.clone(), residual, table, bank, store)
+    # row 0 of the store: where the tensor operations drop the rows nobody keeps
+    same = torch.equal(want, got) and torch.equal(want_store[1:], store[1:])
     found = dict(rows=rows, taps=SITES, same=same)
     for load in ("idle", "busy"):
         table, bank, store = tables(rows, busy=load == "busy")
-        found[f"{load}_today_us"] = round(timed(partial(today, ops, hidden, residual, table, bank, store)), 1)
-        found[f"{load}_fused_us"] = round(timed(partial(fused_all, hidden, residual, table, bank, store)), 1)
+        found[f"{load}_tensor_ops_us"] = round(
+            timed(partial(tensor_ops, ops, hidden, residual, table, bank, store)), 1
+        )
+        found[f"{load}_kernel_us"] = round(
+            timed(partial(kernel, ops, hidden, residual, table, bank, store)), 1
+        )
     return found
 
 

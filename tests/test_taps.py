@@ -875,6 +875,7 @@ def test_taps_from_the_environment_go_into_the_hashed_engine_config(monkeypatch,
     from vllm.engine.arg_utils import EngineArgs
 
     from vllm_nnsight_plugin.seams.frontend import _taps_into_config
+    from vllm_nnsight_plugin.taps.spec import OPERATIONS
     from vllm_nnsight_plugin.versions import PLUGIN_VERSION
 
     monkeypatch.setenv("VLLM_NNSIGHT_TAPS", "model.layers.3.output,model.layers.4.output")
@@ -882,7 +883,7 @@ def test_taps_from_the_environment_go_into_the_hashed_engine_config(monkeypatch,
     _taps_into_config(args)
     assert args.additional_config == {
         "nnsight_taps": ["model.layers.3.output", "model.layers.4.output"],
-        "nnsight_taps_plugin": PLUGIN_VERSION,
+        "nnsight_taps_plugin": f"{PLUGIN_VERSION}+ops{OPERATIONS}",
     }
     given = EngineArgs(
         model=smollm2_path, additional_config={"nnsight_taps": ["model.norm.output"], "other": 1}

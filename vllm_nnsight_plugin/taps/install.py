@@ -74,7 +74,7 @@ class TapTables:
         # ``[site, row]`` views of it.
         table = torch.zeros((max_tokens, 3, len(sites)), dtype=torch.int32, device=self.device)
         table[:, 0].fill_(-1)
-        self._table = table
+        self.table = self._table = table  # the tap operation reads the three tables as one
         self.slots, self.codes, self.dest = (table[:, part].t() for part in range(3))
         ops.forget_seen(self.slots)
         self.bank = torch.zeros((entries, hidden), dtype=torch.float32, device=self.device)
@@ -418,16 +418,12 @@ _TAPPED: dict[tuple[type, frozenset[str], bool], type] = {}
 
 def _apply(tables: TapTables, site: int, out: Any) -> Any:
     """The tap operations on a value: a tensor, or a tuple led by the hidden state."""
-    steer, keep = torch.ops.vllm_nnsight.steer, torch.ops.vllm_nnsight.keep
+    tap = torch.ops.vllm_nnsight.tap
     if isinstance(out, tuple) and len(out) >= 2:
-        hidden = steer(out[0], tables.slots, tables.bank, site)
-        keep(hidden, out[1], tables.codes, tables.dest, tables.store, site)
-        return (hidden, *out[1:])
+        return (tap(out[0], out[1], tables.table, tables.bank, tables.store, site, True), *out[1:])
     if isinstance(out, tuple):
-        return (steer(out[0], tables.slots, tables.bank, site), *out[1:])
-    hidden = steer(out, tables.slots, tables.bank, site)
-    keep(hidden, hidden, tables.codes, tables.dest, tables.store, site)
-    return hidden
+        return (tap(out[0], out[0], tables.table, tables.bank, tables.store, site, False), *out[1:])
+    return tap(out, out, tables.table, tables.bank, tables.store, site, True)
 
 
 class _OperationTap:

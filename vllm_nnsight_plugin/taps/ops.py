@@ -15,7 +15,18 @@ operation has one shape for every step and one store serves every tap. Code 4
 keeps both outputs, ``first`` at ``dest`` and ``second`` in the row after it
 (a ``tracer.cache`` of the tap: its whole output, every step).
 
-Both are ``torch.library`` custom ops with fake implementations, so
+A tap runs both as one operation, ``torch.ops.vllm_nnsight.tap(hidden, second,
+table, bank, store, site, keeps)`` (``table`` is the ``[row, part, site]``
+tensor the three tables are views of). On CUDA it is one Triton kernel a tap,
+one program a row, that returns at once for a row nobody steers or keeps: as
+two ops of plain tensor operations a tap cost about 15 small kernels, which
+with every decoder layer tapped took 13-18% of an idle graphed step
+(``benchmarks/RESULTS.md``, 2026-12-04); the kernel does the same arithmetic
+(the float32 addition rounded once, the sum by the same rounding), and
+``benchmarks/tap_kernels.py`` checks it bit for bit. Elsewhere, or where Triton
+is missing, it runs ``steer`` and ``keep`` below.
+
+All are ``torch.library`` custom ops with fake implementations, so
 torch.compile keeps each whole (one opaque call in the graph) and a CUDA graph
 records their kernels, which read the tables' current contents at every replay.
 
@@ -27,7 +38,15 @@ before any request), so lowering can check them (:func:`seen`).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+try:  # the kernel of a tap on CUDA; without Triton a tap runs as tensor operations
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - a build without Triton
+    triton = None
 
 NAMESPACE = "vllm_nnsight"
 
@@ -95,3 +114,90 @@ def _(
     site: int,
 ) -> None:
     return None
+
+
+@torch.library.custom_op(f"{NAMESPACE}::tap", mutates_args=("store",))
+def tap(
+    hidden: torch.Tensor,
+    second: torch.Tensor,
+    table: torch.Tensor,
+    bank: torch.Tensor,
+    store: torch.Tensor,
+    site: int,
+    keeps: bool,
+) -> torch.Tensor:
+    """``steer`` then (where ``keeps``) ``keep`` at one tap, in one pass on CUDA."""
+    slots, codes, dest = (table[:, part].t() for part in range(3))
+    kernel = _kernel() if hidden.is_cuda else None
+    fits = (
+        hidden.dim() == 2
+        and hidden.shape[-1] == bank.shape[-1]
+        and hidden.shape[0] <= table.shape[0]
+        and second.shape == hidden.shape
+        and hidden.is_contiguous()
+        and second.is_contiguous()
+        and store.dtype == hidden.dtype
+        and table.is_contiguous()
+    )
+    if kernel is None or not fits:
+        out = steer(hidden, slots, bank, site)
+        if keeps:
+            keep(out, second, codes, dest, store, site)
+        return out
+    _SEEN[slots.data_ptr(), site] = (tuple(hidden.shape), hidden.dtype)
+    out = torch.empty_like(hidden)
+    rows, width = hidden.shape
+    if rows:
+        block = min(1024, 1 << (width - 1).bit_length())
+        kernel[(rows,)](
+            hidden, second, out, table, bank, store, site, table.shape[2], width, block, int(keeps)
+        )
+    return out
+
+
+@tap.register_fake
+def _(
+    hidden: torch.Tensor,
+    second: torch.Tensor,
+    table: torch.Tensor,
+    bank: torch.Tensor,
+    store: torch.Tensor,
+    site: int,
+    keeps: bool,
+) -> torch.Tensor:
+    return torch.empty_like(hidden)
+
+
+def _kernel() -> Any:
+    """The Triton kernel; None where Triton is missing."""
+    return None if triton is None else _tap_rows
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tap_rows(
+        hidden, second, out, table, bank, store, site, sites,
+        H: tl.constexpr, BLOCK: tl.constexpr, KEEPS: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        at = table + row * 3 * sites + site
+        slot = tl.load(at)
+        code = tl.load(at + sites) * KEEPS
+        dest = tl.load(at + 2 * sites).to(tl.int64)
+        for start in range(0, H, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < H
+            h = tl.load(hidden + row * H + offs, mask=mask)
+            if slot >= 0:  # hidden.float() + bank[slot], rounded once
+                added = h.to(tl.float32) + tl.load(bank + slot.to(tl.int64) * H + offs, mask=mask)
+                h = added.to(h.dtype)
+            tl.store(out + row * H + offs, h, mask=mask)
+            if code != 0:  # 1 the output, 2 the second value, 3 their sum, 4 both
+                r = tl.load(second + row * H + offs, mask=mask)
+                kept = tl.where(code == 2, r, h)
+                summed = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
+                kept = tl.where(code == 3, summed, kept)
+                tl.store(store + dest * H + offs, kept, mask=mask)
+                if code == 4:
+                    tl.store(store + (dest + 1) * H + offs, r, mask=mask)

@@ -19,8 +19,12 @@ from typing import Any
 #: Where an engine's taps travel: vLLM's ``additional_config`` (hashed into the
 #: compile cache's key, so a tapped and an untapped engine never share graphs).
 CONFIG_KEY = "nnsight_taps"
-#: Beside them, the plugin release that built the tap operation (also hashed).
+#: Beside them, the plugin release and the release of the tap operations that
+#: built the graphs (also hashed).
 VERSION_KEY = "nnsight_taps_plugin"
+#: The release of the tap operations (``ops.py``): a graph that calls an earlier
+#: release's operations is never reused.
+OPERATIONS = 2
 #: The same list for an engine the client did not build (``vllm serve``): JSON, or
 #: comma-separated patterns.
 ENV = "VLLM_NNSIGHT_TAPS"
