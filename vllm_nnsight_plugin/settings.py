@@ -194,6 +194,11 @@ SETTINGS: tuple[Setting, ...] = (
         "with `CompiledForwardError`",
     ),
     Setting(
+        "VLLM_NNSIGHT_TAP_KERNEL", _flag, False, "flag",
+        "`1` runs each tap on CUDA as one Triton kernel instead of about 15 tensor operations (the "
+        "same arithmetic, bit for bit); off until its GPU tests have run",
+    ),
+    Setting(
         "VLLM_NNSIGHT_KEPT_BYTES", _count(1), None, "bytes",
         "the store lowered keeping blocks write their rows to (unset: 1 GiB on a GPU, 128 MiB on a CPU)",
     ),

@@ -33,7 +33,8 @@ def busy_tables(rows: int, width: int, sites: int, generator: torch.Generator):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("width", [576, 4096])
-def test_the_tap_kernel_computes_what_the_tensor_operations_do(dtype, width):
+def test_the_tap_kernel_computes_what_the_tensor_operations_do(dtype, width, monkeypatch):
+    monkeypatch.setattr(ops, "_CHOSEN", [True])
     assert ops._kernel() is not None, "Triton is missing: taps on CUDA would run as tensor operations"
     generator = torch.Generator().manual_seed(width)
     rows, sites = 37, 3

@@ -24,7 +24,8 @@ with every decoder layer tapped took 13-18% of an idle graphed step
 (``benchmarks/RESULTS.md``, 2026-12-04); the kernel does the same arithmetic
 (the float32 addition rounded once, the sum by the same rounding), and
 ``benchmarks/tap_kernels.py`` checks it bit for bit. Elsewhere, or where Triton
-is missing, it runs ``steer`` and ``keep`` below.
+is missing, it runs ``steer`` and ``keep`` below. The kernel is chosen with
+``VLLM_NNSIGHT_TAP_KERNEL=1`` until its GPU tests have run.
 
 All are ``torch.library`` custom ops with fake implementations, so
 torch.compile keeps each whole (one opaque call in the graph) and a CUDA graph
@@ -169,8 +170,16 @@ def _(
 
 
 def _kernel() -> Any:
-    """The Triton kernel; None where Triton is missing."""
-    return None if triton is None else _tap_rows
+    """The Triton kernel; None where Triton is missing or the kernel is not chosen
+    (``VLLM_NNSIGHT_TAP_KERNEL``)."""
+    if not _CHOSEN:
+        from ..settings import value
+
+        _CHOSEN.append(triton is not None and bool(value("VLLM_NNSIGHT_TAP_KERNEL")))
+    return _tap_rows if _CHOSEN[0] else None
+
+
+_CHOSEN: list[bool] = []
 
 
 if triton is not None:
