@@ -31,4 +31,5 @@ unset VLLM_CPU_KVCACHE_SPACE
 python -m pytest \
   tests/test_runners.py tests/test_seams.py tests/test_behaviour.py tests/test_preemption.py \
   tests/test_chunked_prefill.py tests/test_taps.py tests/test_taps_keep.py tests/test_taps_source.py \
+  tests/test_taps_replay.py \
   tests/test_edits.py tests/test_serve.py "$@"
