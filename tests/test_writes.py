@@ -35,6 +35,7 @@ WRITES = {
     "a name augmented": "h = model.x.output[0]\nh += 1",
     "an in-place method": "model.x.output[0].add_(vector)",
     "a dunder": "model.x.output[0].__setitem__(0, 1)",
+    "an attribute set by its dunder": "object.__setattr__(model.x, 'forward', print)",
     "out=": "torch.add(vector, 1, out=model.x.output[0])",
     "inplace=": "torch.nn.functional.relu(model.x.output[0], inplace=True)",
     "a skip": "model.x.skip(vector)",

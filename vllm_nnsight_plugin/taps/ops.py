@@ -17,9 +17,9 @@ keeps both outputs, ``first`` at ``dest`` and ``second`` in the row after it
 
 A tap runs both as one operation, ``torch.ops.vllm_nnsight.tap(hidden, second,
 table, bank, store, site, keeps)`` (``table`` is the ``[row, part, site]``
-tensor the three tables are views of). On CUDA it is one Triton kernel a tap,
-one program a row, that returns at once for a row nobody steers or keeps: as
-two ops of plain tensor operations a tap cost about 15 small kernels, which
+tensor the three tables are views of). On CUDA it can be one Triton kernel a
+tap, one program a row, where a row nobody steers or keeps costs one copy: as
+two ops of plain tensor operations a tap costs about 15 small kernels, which
 with every decoder layer tapped took 13-18% of an idle graphed step
 (``benchmarks/RESULTS.md``, 2026-12-04); the kernel does the same arithmetic
 (the float32 addition rounded once, the sum by the same rounding), and

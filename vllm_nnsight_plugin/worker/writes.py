@@ -46,7 +46,7 @@ SAMPLER = frozenset({"logits", "samples"})
 ESCAPES = frozenset({"data", "numpy", "untyped_storage", "storage", "data_ptr", "__array__", "set_"})
 #: Dunder methods that mutate their object.
 MUTATING_DUNDERS = frozenset(
-    {"__setitem__", "__delitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+    {"__setitem__", "__delitem__", "__setattr__", "__delattr__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
      "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
 )  # fmt: skip
 
