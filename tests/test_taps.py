@@ -5,6 +5,8 @@ bit for bit."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from vllm import SamplingParams
@@ -413,6 +415,39 @@ def test_a_steer_of_one_row_points_only_that_row_of_each_step_at_its_vector():
     hidden = torch.zeros(3, 4)
     out = torch.ops.vllm_nnsight.steer(hidden, tables.slots, tables.bank, 0)
     assert torch.equal(out, torch.tensor([[2.0] * 4, [1.0] * 4, [3.0] * 4]))
+
+
+def test_one_operation_a_tap_computes_what_steer_and_keep_do():
+    """``ops.tap`` (chosen with ``VLLM_NNSIGHT_TAP_KERNEL=1``; one kernel on CUDA,
+    ``tests/gpu/test_gpu_kernel.py``) on the tables' own layout: every keep code,
+    on a tuple, a tensor and a one-value tuple."""
+    from vllm_nnsight_plugin.taps.install import _apply
+
+    generator = torch.Generator().manual_seed(0)
+    found = []
+    for one_op in (False, True):
+        tables = TapTables(
+            ("a", "b"), max_tokens=8, hidden=3, entries=4, device="cpu", store_size=64, one_op=one_op
+        )
+        tables.bank.copy_(torch.randn(4, 3, generator=torch.Generator().manual_seed(1)))
+        tables.slots[0, :5] = torch.tensor([0, -1, 2, -1, 3], dtype=torch.int32)
+        tables.codes[0, :5] = torch.tensor([1, 2, 3, 4, 0], dtype=torch.int32)
+        tables.dest[0, :5] = torch.tensor([2, 4, 6, 8, 0], dtype=torch.int32)
+        generator.manual_seed(2)
+        hidden, residual = torch.randn(5, 3, generator=generator), torch.randn(5, 3, generator=generator)
+        pair = _apply(tables, 0, (hidden, residual))
+        kept_pair = tables.store.clone()
+        tensor = _apply(tables, 0, hidden)
+        kept_tensor = tables.store.clone()
+        found.append((pair, kept_pair, tensor, kept_tensor, _apply(tables, 0, (hidden,))))
+    (pair, kept_pair, tensor, kept_tensor, single), (pair1, kept_pair1, tensor1, kept_tensor1, single1) = (
+        found
+    )
+    assert torch.equal(pair[0], pair1[0]) and torch.equal(pair[1], pair1[1])
+    assert torch.equal(tensor, tensor1) and torch.equal(single[0], single1[0])
+    # row 0 of the store: where rows nobody keeps go
+    assert torch.equal(kept_pair[1:], kept_pair1[1:]) and torch.equal(kept_tensor[1:], kept_tensor1[1:])
+    assert not torch.equal(kept_pair, kept_tensor) and kept_pair[2:10].abs().sum() > 0
 
 
 def test_a_request_steering_several_layers_takes_an_entry_at_each():
@@ -875,7 +910,7 @@ def test_taps_from_the_environment_go_into_the_hashed_engine_config(monkeypatch,
     from vllm.engine.arg_utils import EngineArgs
 
     from vllm_nnsight_plugin.seams.frontend import _taps_into_config
-    from vllm_nnsight_plugin.taps.spec import OPERATIONS
+    from vllm_nnsight_plugin.taps.spec import OPERATIONS, kernel_chosen
     from vllm_nnsight_plugin.versions import PLUGIN_VERSION
 
     monkeypatch.setenv("VLLM_NNSIGHT_TAPS", "model.layers.3.output,model.layers.4.output")
@@ -885,6 +920,13 @@ def test_taps_from_the_environment_go_into_the_hashed_engine_config(monkeypatch,
         "nnsight_taps": ["model.layers.3.output", "model.layers.4.output"],
         "nnsight_taps_plugin": f"{PLUGIN_VERSION}+ops{OPERATIONS}",
     }
+    assert not kernel_chosen(SimpleNamespace(additional_config=args.additional_config))
+    monkeypatch.setenv("VLLM_NNSIGHT_TAP_KERNEL", "1")  # one operation a tap: other graphs
+    kernel = EngineArgs(model=smollm2_path)
+    _taps_into_config(kernel)
+    assert kernel.additional_config["nnsight_taps_plugin"] == f"{PLUGIN_VERSION}+ops{OPERATIONS}+kernel"
+    assert kernel_chosen(SimpleNamespace(additional_config=kernel.additional_config))
+    monkeypatch.delenv("VLLM_NNSIGHT_TAP_KERNEL")
     given = EngineArgs(
         model=smollm2_path, additional_config={"nnsight_taps": ["model.norm.output"], "other": 1}
     )

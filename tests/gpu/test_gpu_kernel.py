@@ -33,8 +33,7 @@ def busy_tables(rows: int, width: int, sites: int, generator: torch.Generator):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("width", [576, 4096])
-def test_the_tap_kernel_computes_what_the_tensor_operations_do(dtype, width, monkeypatch):
-    monkeypatch.setattr(ops, "_CHOSEN", [True])
+def test_the_tap_kernel_computes_what_the_tensor_operations_do(dtype, width):
     assert ops._kernel() is not None, "Triton is missing: taps on CUDA would run as tensor operations"
     generator = torch.Generator().manual_seed(width)
     rows, sites = 37, 3
@@ -47,9 +46,15 @@ def test_the_tap_kernel_computes_what_the_tensor_operations_do(dtype, width, mon
         want_store = store.clone()
         want = ops.steer(hidden, slots, bank, site)
         ops.keep(want, residual, codes, dest, want_store, site)
-        got = torch.ops.vllm_nnsight.tap(hidden, residual, table, bank, store, site, True)
+        got = torch.ops.vllm_nnsight.tap(hidden, residual, table, bank, store, site, 1)
         assert torch.equal(got, want)
         assert torch.equal(store[1:], want_store[1:])  # row 0: where the tensor operations drop rows
         assert not torch.equal(got, hidden)  # some rows were steered
-        alone = torch.ops.vllm_nnsight.tap(hidden, residual, table, bank, store, site, False)
+        alone = torch.ops.vllm_nnsight.tap(hidden, residual, table, bank, store, site, 0)
         assert torch.equal(alone, want)  # a tap that keeps nothing still steers
+        tensor_store = torch.zeros_like(store)
+        ops.keep(want, want, codes, dest, want_store, site)  # a tensor's tap: the steered value twice
+        assert torch.equal(
+            torch.ops.vllm_nnsight.tap(hidden, residual, table, bank, tensor_store, site, 2), want
+        )
+        assert torch.equal(tensor_store[1:], want_store[1:])

@@ -44,7 +44,8 @@ def _taps_into_config(engine_args: Any) -> None:
     ``additional_config`` with this plugin's version: vLLM hashes that dict into
     the compile cache's key, so graphs built with other taps, or none, or by
     another release of the tap operation, are never reused."""
-    from ..taps.spec import CONFIG_KEY, OPERATIONS, VERSION_KEY, from_env, parse
+    from ..settings import value
+    from ..taps.spec import CONFIG_KEY, VERSION_KEY, from_env, parse, version_value
     from ..versions import PLUGIN_VERSION
 
     extra = engine_args.additional_config
@@ -54,7 +55,7 @@ def _taps_into_config(engine_args: Any) -> None:
     taps = parse(extra.get(CONFIG_KEY)) or from_env()
     if taps:
         extra[CONFIG_KEY] = list(taps)
-        extra[VERSION_KEY] = f"{PLUGIN_VERSION}+ops{OPERATIONS}"
+        extra[VERSION_KEY] = version_value(PLUGIN_VERSION, bool(value("VLLM_NNSIGHT_TAP_KERNEL")))
         engine_args.additional_config = extra
 
 

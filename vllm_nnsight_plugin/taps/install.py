@@ -34,7 +34,7 @@ import torch
 
 from . import ops, source
 from .kept import Lowered, Regions, kept_saves, picks_a_row, rows_kept, store_rows
-from .spec import engine_taps, resolve, split_site
+from .spec import engine_taps, kernel_chosen, resolve, split_site
 
 logger = logging.getLogger("vllm_nnsight_plugin")
 
@@ -58,6 +58,7 @@ class TapTables:
         dtype: torch.dtype = torch.float32,
         tuple_sites: frozenset[int] | None = None,
         store_size: int | None = None,
+        one_op: bool = False,
     ):
         self.sites = sites
         self.site_of = {path: i for i, path in enumerate(sites)}
@@ -75,6 +76,8 @@ class TapTables:
         table = torch.zeros((max_tokens, 3, len(sites)), dtype=torch.int32, device=self.device)
         table[:, 0].fill_(-1)
         self.table = self._table = table  # the tap operation reads the three tables as one
+        #: each tap runs as ``ops.tap`` (one kernel on CUDA) rather than ``steer`` and ``keep``
+        self.one_op = one_op
         self.slots, self.codes, self.dest = (table[:, part].t() for part in range(3))
         ops.forget_seen(self.slots)
         self.bank = torch.zeros((entries, hidden), dtype=torch.float32, device=self.device)
@@ -347,7 +350,14 @@ def install(runner: Any, model: Any) -> TapTables | None:
         if split_site(site)[1] is None and returns_tuple(type(model.get_submodule(site)))
     )
     tables = TapTables(
-        sites, max_tokens, hidden, 2 * max_seqs + 16, device, seams.model_dtype(runner), tuples
+        sites,
+        max_tokens,
+        hidden,
+        2 * max_seqs + 16,
+        device,
+        seams.model_dtype(runner),
+        tuples,
+        one_op=kernel_chosen(runner.vllm_config),
     )
     tables.pair_sites = frozenset(
         i for i in tuples if returns_tuple(type(model.get_submodule(sites[i])), exactly=2)
@@ -418,12 +428,23 @@ _TAPPED: dict[tuple[type, frozenset[str], bool], type] = {}
 
 def _apply(tables: TapTables, site: int, out: Any) -> Any:
     """The tap operations on a value: a tensor, or a tuple led by the hidden state."""
-    tap = torch.ops.vllm_nnsight.tap
+    if tables.one_op:
+        tap = torch.ops.vllm_nnsight.tap
+        if isinstance(out, tuple) and len(out) >= 2:
+            return (tap(out[0], out[1], tables.table, tables.bank, tables.store, site, 1), *out[1:])
+        if isinstance(out, tuple):
+            return (tap(out[0], out[0], tables.table, tables.bank, tables.store, site, 0), *out[1:])
+        return tap(out, out, tables.table, tables.bank, tables.store, site, 2)
+    steer, keep = torch.ops.vllm_nnsight.steer, torch.ops.vllm_nnsight.keep
     if isinstance(out, tuple) and len(out) >= 2:
-        return (tap(out[0], out[1], tables.table, tables.bank, tables.store, site, True), *out[1:])
+        hidden = steer(out[0], tables.slots, tables.bank, site)
+        keep(hidden, out[1], tables.codes, tables.dest, tables.store, site)
+        return (hidden, *out[1:])
     if isinstance(out, tuple):
-        return (tap(out[0], out[0], tables.table, tables.bank, tables.store, site, False), *out[1:])
-    return tap(out, out, tables.table, tables.bank, tables.store, site, True)
+        return (steer(out[0], tables.slots, tables.bank, site), *out[1:])
+    hidden = steer(out, tables.slots, tables.bank, site)
+    keep(hidden, hidden, tables.codes, tables.dest, tables.store, site)
+    return hidden
 
 
 class _OperationTap:

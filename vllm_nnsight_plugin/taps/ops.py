@@ -17,15 +17,19 @@ keeps both outputs, ``first`` at ``dest`` and ``second`` in the row after it
 
 A tap runs both as one operation, ``torch.ops.vllm_nnsight.tap(hidden, second,
 table, bank, store, site, keeps)`` (``table`` is the ``[row, part, site]``
-tensor the three tables are views of). On CUDA it can be one Triton kernel a
+tensor the three tables are views of; ``keeps`` 0: steer only, 1: keep with
+``second``, 2: keep with the steered value as the second, a tap whose value is
+one tensor). On CUDA it can be one Triton kernel a
 tap, one program a row, where a row nobody steers or keeps costs one copy: as
 two ops of plain tensor operations a tap costs about 15 small kernels, which
 with every decoder layer tapped took 13-18% of an idle graphed step
 (``benchmarks/RESULTS.md``, 2026-12-04); the kernel does the same arithmetic
 (the float32 addition rounded once, the sum by the same rounding), and
 ``benchmarks/tap_kernels.py`` checks it bit for bit. Elsewhere, or where Triton
-is missing, it runs ``steer`` and ``keep`` below. The kernel is chosen with
-``VLLM_NNSIGHT_TAP_KERNEL=1`` until its GPU tests have run.
+is missing, it runs ``steer`` and ``keep`` below. Until its GPU tests have
+run, a tap calls ``steer`` and ``keep`` itself unless the engine was built with
+``VLLM_NNSIGHT_TAP_KERNEL=1`` (``spec.kernel_chosen``: the choice travels in the
+config the compile cache is keyed by).
 
 All are ``torch.library`` custom ops with fake implementations, so
 torch.compile keeps each whole (one opaque call in the graph) and a CUDA graph
@@ -125,7 +129,7 @@ def tap(
     bank: torch.Tensor,
     store: torch.Tensor,
     site: int,
-    keeps: bool,
+    keeps: int,
 ) -> torch.Tensor:
     """``steer`` then (where ``keeps``) ``keep`` at one tap, in one pass on CUDA."""
     slots, codes, dest = (table[:, part].t() for part in range(3))
@@ -143,16 +147,14 @@ def tap(
     if kernel is None or not fits:
         out = steer(hidden, slots, bank, site)
         if keeps:
-            keep(out, second, codes, dest, store, site)
+            keep(out, out if keeps == 2 else second, codes, dest, store, site)
         return out
     _SEEN[slots.data_ptr(), site] = (tuple(hidden.shape), hidden.dtype)
     out = torch.empty_like(hidden)
     rows, width = hidden.shape
     if rows:
         block = min(1024, 1 << (width - 1).bit_length())
-        kernel[(rows,)](
-            hidden, second, out, table, bank, store, site, table.shape[2], width, block, int(keeps)
-        )
+        kernel[(rows,)](hidden, second, out, table, bank, store, site, table.shape[2], width, block, keeps)
     return out
 
 
@@ -164,22 +166,14 @@ def _(
     bank: torch.Tensor,
     store: torch.Tensor,
     site: int,
-    keeps: bool,
+    keeps: int,
 ) -> torch.Tensor:
     return torch.empty_like(hidden)
 
 
 def _kernel() -> Any:
-    """The Triton kernel; None where Triton is missing or the kernel is not chosen
-    (``VLLM_NNSIGHT_TAP_KERNEL``)."""
-    if not _CHOSEN:
-        from ..settings import value
-
-        _CHOSEN.append(triton is not None and bool(value("VLLM_NNSIGHT_TAP_KERNEL")))
-    return _tap_rows if _CHOSEN[0] else None
-
-
-_CHOSEN: list[bool] = []
+    """The Triton kernel; None where Triton is missing."""
+    return None if triton is None else _tap_rows
 
 
 if triton is not None:
@@ -192,7 +186,7 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         at = table + row * 3 * sites + site
         slot = tl.load(at)
-        code = tl.load(at + sites) * KEEPS
+        code = tl.load(at + sites) * (KEEPS > 0)
         dest = tl.load(at + 2 * sites).to(tl.int64)
         for start in range(0, H, BLOCK):
             offs = start + tl.arange(0, BLOCK)
@@ -203,7 +197,10 @@ if triton is not None:
                 h = added.to(h.dtype)
             tl.store(out + row * H + offs, h, mask=mask)
             if code != 0:  # 1 the output, 2 the second value, 3 their sum, 4 both
-                r = tl.load(second + row * H + offs, mask=mask)
+                if KEEPS == 2:  # a tensor's tap: its second value is the steered one
+                    r = h
+                else:
+                    r = tl.load(second + row * H + offs, mask=mask)
                 kept = tl.where(code == 2, r, h)
                 summed = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
                 kept = tl.where(code == 3, summed, kept)

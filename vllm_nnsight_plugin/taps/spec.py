@@ -119,6 +119,24 @@ def _what_exists(names: list[str]) -> str:
     return f"Modules it has: {shown}{more}."
 
 
+#: In ``VERSION_KEY``'s value: the engine runs each tap as one operation (``ops.tap``).
+KERNEL_MARK = "+kernel"
+
+
+def version_value(plugin: str, kernel: bool) -> str:
+    """``VERSION_KEY``'s value: the plugin, the operations' release, and whether
+    each tap runs as one operation (graphs built either way are never shared)."""
+    return f"{plugin}+ops{OPERATIONS}" + (KERNEL_MARK if kernel else "")
+
+
+def kernel_chosen(vllm_config: Any) -> bool:
+    """Whether the engine was built to run each tap as one operation
+    (``VLLM_NNSIGHT_TAP_KERNEL=1`` where its config was made)."""
+    extra = getattr(vllm_config, "additional_config", None)
+    value = extra.get(VERSION_KEY) if isinstance(extra, dict) else None
+    return isinstance(value, str) and value.endswith(KERNEL_MARK)
+
+
 def engine_taps(vllm_config: Any) -> tuple[str, ...]:
     """The patterns an engine was built with (its ``additional_config``)."""
     extra = getattr(vllm_config, "additional_config", None)
