@@ -34,6 +34,7 @@ WRITES = {
     "a replacement": "model.x.output = (vector, vector)",
     "a name augmented": "h = model.x.output[0]\nh += 1",
     "an in-place method": "model.x.output[0].add_(vector)",
+    "a private in-place kernel": "torch._foreach_add_([model.x.output[0]], 1)",
     "a dunder": "model.x.output[0].__setitem__(0, 1)",
     "an attribute set by its dunder": "object.__setattr__(model.x, 'forward', print)",
     "out=": "torch.add(vector, 1, out=model.x.output[0])",

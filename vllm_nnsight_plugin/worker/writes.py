@@ -52,7 +52,8 @@ MUTATING_DUNDERS = frozenset(
 
 
 def _in_place(name: str) -> bool:
-    return (name.endswith("_") and not name.startswith("_")) or name in MUTATING_DUNDERS
+    # ``add_``, and torch's private in-place kernels (``_foreach_add_``); dunders by the list
+    return (name.endswith("_") and not name.endswith("__")) or name in MUTATING_DUNDERS
 
 
 def _root(node: ast.AST) -> ast.AST:
