@@ -129,17 +129,19 @@ def version_value(plugin: str, kernel: bool) -> str:
     return f"{plugin}+ops{OPERATIONS}" + (KERNEL_MARK if kernel else "")
 
 
+def _built_with(vllm_config: Any, key: str) -> Any:
+    """One entry of the engine's ``additional_config``, or None."""
+    extra = getattr(vllm_config, "additional_config", None)
+    return extra.get(key) if isinstance(extra, dict) else None
+
+
 def kernel_chosen(vllm_config: Any) -> bool:
     """Whether the engine was built to run each tap as one operation
     (``VLLM_NNSIGHT_TAP_KERNEL=1`` where its config was made)."""
-    extra = getattr(vllm_config, "additional_config", None)
-    value = extra.get(VERSION_KEY) if isinstance(extra, dict) else None
+    value = _built_with(vllm_config, VERSION_KEY)
     return isinstance(value, str) and value.endswith(KERNEL_MARK)
 
 
 def engine_taps(vllm_config: Any) -> tuple[str, ...]:
     """The patterns an engine was built with (its ``additional_config``)."""
-    extra = getattr(vllm_config, "additional_config", None)
-    if isinstance(extra, dict):
-        return parse(extra.get(CONFIG_KEY))
-    return ()
+    return parse(_built_with(vllm_config, CONFIG_KEY))

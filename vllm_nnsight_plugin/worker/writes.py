@@ -187,8 +187,9 @@ def reads_only(value: Any, budget: list[int], depth: int = 0) -> bool:
     function whose source (``inspect``: nnsight registers a rebuilt function's
     source) writes nothing and names no location, and whose every captured value
     (globals, closure, defaults) is data, a library, or such a function. The
-    model, its modules and the tracer are none of these, so it cannot reach them;
-    the block's own check sees what it hands the function."""
+    model, its modules and the tracer are none of these, so it cannot reach
+    them; and whatever the block hands it, its source neither writes into it nor
+    names a location or a tracer step on it."""
     if type(value) is not types.FunctionType or depth > 3:
         return False
     try:
