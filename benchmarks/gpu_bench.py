@@ -10,7 +10,8 @@ and a table (``python benchmarks/gpu_bench.py table OUT_DIR_OR_JSONL...``).
 Engines (MODEL_DIR holds a config and tokenizer; weights are ``load_format="dummy"``):
 
 - ``off-graphs``  plugin not loaded: stock vLLM, CUDA graphs and torch.compile
-- ``on-graphs``   plugin installed, same settings: idle, steer, capture, logit lens
+- ``on-graphs``   plugin installed, same settings, no taps (``"none"``: not the default
+                  taps of a CUDA engine): idle, steer, capture, logit lens
 - ``off-eager``   stock vLLM with ``enforce_eager=True``
 - ``on-eager``    plugin, eager engine: the same jobs, to split forward from block cost
 - ``on-taps``     plugin, graphed engine with layer 18 tapped: the steering block is
@@ -324,7 +325,7 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
     from vllm import LLM, SamplingParams
 
     plugin, kind = name.split("-")
-    extra = {}
+    extra = {} if plugin == "off" else {"additional_config": {"nnsight_taps": "none"}}  # not the default taps
     if kind == "taps":  # graphs, with the benchmark's layer tapped
         extra = {"additional_config": {"nnsight_taps": TAPS}}
     result(
@@ -547,7 +548,7 @@ def profile_engine(path: str, graphs: bool = False, taps: bool = False) -> None:
     from profile_cpu import split, top
 
     name = "profile-taps" if taps else "profile-graphs" if graphs else "profile"
-    extra = {"additional_config": {"nnsight_taps": TAPS}} if taps else {}
+    extra = {"additional_config": {"nnsight_taps": TAPS if taps else "none"}}
     llm = LLM(path, enforce_eager=not graphs, **ENGINE, **extra)
     model = VLLM(llm)
     vector, few, swept = unit_vector(path), prompts(CONCURRENT), fresh_prompts(SWEEP, 20)

@@ -941,6 +941,59 @@ def test_taps_from_the_environment_go_into_the_hashed_engine_config(monkeypatch,
     assert not plain.additional_config  # no taps: the config (and its hash) is untouched
 
 
+def test_an_engine_nobody_gave_taps_taps_every_decoder_layer_where_a_tap_is_one_kernel(monkeypatch):
+    from vllm_nnsight_plugin.seams.frontend import cuda_with_triton, taps_for
+
+    monkeypatch.delenv("VLLM_NNSIGHT_TAPS", raising=False)
+    monkeypatch.setenv("VLLM_NNSIGHT_TAP_KERNEL", "1")
+    assert taps_for({}) == (("layers",), True)
+    assert taps_for(None) == (("layers",), True)
+    assert taps_for({"nnsight_taps": "none"}) == ((), True)  # the operator's word wins
+    assert taps_for({"nnsight_taps": []}) == ((), True)
+    assert taps_for({"nnsight_taps": ["model.norm.output"]}) == (("model.norm.output",), True)
+    monkeypatch.setenv("VLLM_NNSIGHT_TAPS", "none")
+    assert taps_for({}) == ((), True)
+    monkeypatch.setenv("VLLM_NNSIGHT_TAPS", "model.layers.3.output")
+    assert taps_for({}) == (("model.layers.3.output",), True)
+    monkeypatch.delenv("VLLM_NNSIGHT_TAPS")
+    monkeypatch.setenv("VLLM_NNSIGHT_TAP_KERNEL", "0")  # taps as tensor operations: none by default
+    assert taps_for({}) == ((), False)
+    monkeypatch.delenv("VLLM_NNSIGHT_TAP_KERNEL")  # unset: the kernel where CUDA and Triton are
+    assert not cuda_with_triton()  # this CPU
+    assert taps_for({}) == ((), False)
+
+
+def test_layers_names_every_decoder_layer_wherever_the_model_keeps_them():
+    from vllm_nnsight_plugin.taps.spec import decoder_layers
+
+    llama = [
+        "",
+        "model",
+        "model.embed_tokens",
+        "model.layers",
+        "model.layers.0",
+        "model.layers.0.mlp",
+        "model.layers.1",
+        "model.norm",
+        "lm_head",
+    ]
+    assert decoder_layers(llama) == "model.layers.*.output"
+    assert resolve(parse("layers"), llama) == ("model.layers.0", "model.layers.1")
+    assert resolve(parse(["layers", "model.norm.output"]), llama) == (
+        "model.layers.0",
+        "model.layers.1",
+        "model.norm",
+    )
+    gpt2 = ["transformer", "transformer.h", "transformer.h.0", "transformer.h.1", "lm_head"]
+    assert resolve(parse("layers"), gpt2) == ("transformer.h.0", "transformer.h.1")
+    vision = ["vision_tower.blocks.0", "language_model.model.layers.0", "language_model.model.layers.1"]
+    assert resolve(["layers"], vision) == ("language_model.model.layers.0", "language_model.model.layers.1")
+    assert resolve(["layers"], ["encoder", "encoder.stages.0"]) == ()  # nowhere known: no taps
+    assert parse("none") == parse([]) == parse("") == ()
+    with pytest.raises(TapError, match="names no module"):  # a pattern still names something
+        resolve(["model.blocks.*.output"], llama)
+
+
 def test_a_prompt_split_by_chunked_prefill_is_never_lowered():
     from types import SimpleNamespace
 

@@ -56,7 +56,7 @@ def run_jobs(args: argparse.Namespace, jobs: list[str]) -> dict:
         enforce_eager=True,
         gpu_memory_utilization=0.3,
         max_num_seqs=max(16, args.prompts),
-        additional_config={"nnsight_taps": [f"model.layers.{args.layer}.output"]} if args.taps else {},
+        additional_config={"nnsight_taps": [f"model.layers.{args.layer}.output"] if args.taps else "none"},
     )
     batch = prompts(args.prompts)
     sampling = dict(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)

@@ -184,9 +184,10 @@ SETTINGS: tuple[Setting, ...] = (
         "`no`, `off`); read before every other setting",
     ),
     Setting(
-        "VLLM_NNSIGHT_TAPS", _taps, (), "patterns",
+        "VLLM_NNSIGHT_TAPS", _taps, None, "patterns",
         "the [taps](taps.md) of an engine the client did not build (`vllm serve`): a JSON list or "
-        "patterns separated by commas",
+        "patterns separated by commas, `layers` (every decoder layer) or `none` (unset: `layers` on "
+        "CUDA with Triton, none elsewhere)",
     ),
     Setting(
         "VLLM_NNSIGHT_EAGER_STEPS", _flag, True, "flag",
@@ -194,9 +195,10 @@ SETTINGS: tuple[Setting, ...] = (
         "with `CompiledForwardError`",
     ),
     Setting(
-        "VLLM_NNSIGHT_TAP_KERNEL", _flag, False, "flag",
-        "`1` runs each tap on CUDA as one Triton kernel instead of about 15 tensor operations (the "
-        "same arithmetic, bit for bit); off until its GPU tests have run",
+        "VLLM_NNSIGHT_TAP_KERNEL", _flag, None, "flag",
+        "`0` runs each tap as about 15 tensor operations instead of one Triton kernel (the same "
+        "arithmetic, bit for bit), and gives engines no taps by default (unset: the kernel on CUDA "
+        "with Triton)",
     ),
     Setting(
         "VLLM_NNSIGHT_KEPT_BYTES", _count(1), None, "bytes",

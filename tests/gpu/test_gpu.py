@@ -39,10 +39,16 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def start(path: str, env: dict[str, str] | None = None, **overrides):
+    """An engine without taps unless ``overrides`` gives some (``additional_config``):
+    these tests are about the Python path, which every decoder layer's default tap
+    would take blocks off."""
     from vllm import LLM
 
     with environment(env):  # read by the engine processes it spawns
-        return LLM(path, **{**GPU, **overrides})
+        return LLM(path, **{**GPU, "additional_config": NO_TAPS, **overrides})
+
+
+NO_TAPS = {"nnsight_taps": "none"}
 
 
 def expected_runner() -> str:
@@ -269,7 +275,7 @@ def test_the_plugin_never_chooses_the_runner(smollm2_path):
     import os
 
     asked = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
-    llm = start(smollm2_path, enforce_eager=True)
+    llm = start(smollm2_path, enforce_eager=True, additional_config={})  # the default taps
     try:
         assert os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == asked
         assert llm.llm_engine.vllm_config.use_v2_model_runner == (expected_runner() == "V2")
@@ -277,6 +283,37 @@ def test_the_plugin_never_chooses_the_runner(smollm2_path):
         with model.trace(PROMPT, temperature=0.0):
             top = model.logits.argmax(-1).save()
         assert model.tokenizer.decode(top) == " Paris"
-        assert stats(llm)["runner_family"] == expected_runner()
+        found = stats(llm)
+        assert found["runner_family"] == expected_runner()
+        # On CUDA with Triton an engine nobody gave taps taps every decoder layer,
+        # each as one kernel.
+        assert found["taps"] == [f"model.layers.{i}" for i in range(30)]
+        assert found["tap_operation"] == "one"
+        vector = (4.0 * unit()).to("cuda", torch.bfloat16)
+        with model.trace(PROMPT, temperature=0.0, max_tokens=3) as tracer:
+            for _ in tracer.iter[:3]:
+                model.model.layers[12].output[0][:] += vector
+        assert stats(llm)["lowered_by"]["steer"] - found["lowered_by"].get("steer", 0) == 1
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def test_the_client_builds_a_graphed_engine_tapped_at_every_layer_by_default(smollm2_path):
+    model = VLLM(smollm2_path, dispatch=True, **GPU)
+    llm = model.vllm_entrypoint
+    try:
+        config = llm.llm_engine.vllm_config
+        assert config.model_config.enforce_eager is False
+        assert config.compilation_config.cudagraph_mode.name != "NONE"
+        assert stats(llm)["taps"] == [f"model.layers.{i}" for i in range(30)]
+        vector = (4.0 * unit()).to("cuda", torch.bfloat16)
+        before = stats(llm)
+        with model.trace(PROMPT, temperature=0.0, max_tokens=4) as tracer:
+            for _ in tracer.iter[:4]:
+                hidden = model.model.layers[7].output[0]
+                hidden[:] += vector.to(hidden)
+        after = stats(llm)
+        assert after["lowered"] - before["lowered"] == 1
+        assert after["uncompiled_steps"] == before["uncompiled_steps"]  # every step graphed
     finally:
         llm.llm_engine.engine_core.shutdown()

@@ -16,7 +16,7 @@ from vllm_nnsight_plugin.taps import ops
 pytestmark = pytest.mark.gpu
 
 
-def busy_tables(rows: int, width: int, sites: int, generator: torch.Generator):
+def busy_tables(rows: int, width: int, sites: int, generator: torch.Generator, device: str = "cuda"):
     table = torch.zeros((rows + 8, 3, sites), dtype=torch.int32)
     table[:, 0].fill_(-1)
     for site in range(sites):
@@ -28,7 +28,7 @@ def busy_tables(rows: int, width: int, sites: int, generator: torch.Generator):
         table[kept, 1, site] = torch.randint(1, 5, (len(kept),), generator=generator, dtype=torch.int32)
         table[kept, 2, site] = (2 + 2 * (site * rows + kept)).to(torch.int32)
     bank = torch.randn((16, width), generator=generator)
-    return table.cuda(), bank.cuda()
+    return table.to(device), bank.to(device)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -182,6 +182,7 @@ class VLLM(Edits, _NNsightVLLM):
             raise ValueError(f"mode={mode!r}: use 'sync' (vllm.LLM) or 'async' (AsyncLLM).")
         taps = kwargs.pop("taps", None)
         self._taps: tuple[str, ...] = ()
+        self._taps_asked = taps is not None
         self._given_llm = None
         if taps is not None and (_is_llm(model) or _is_async_llm(model)):
             raise ValueError(
@@ -193,10 +194,8 @@ class VLLM(Edits, _NNsightVLLM):
             from ..taps.spec import CONFIG_KEY, parse
 
             extra = dict(kwargs.get("additional_config") or {})
-            self._taps = parse(taps)
-            extra[CONFIG_KEY] = list(self._taps)
+            extra[CONFIG_KEY] = list(parse(taps))
             kwargs["additional_config"] = extra
-            kwargs.setdefault("enforce_eager", False)  # what taps are for: graphs
         if _is_llm(model) or _is_async_llm(model):
             self._given_llm = model
             mode = "async" if _is_async_llm(model) else "sync"
@@ -238,14 +237,20 @@ class VLLM(Edits, _NNsightVLLM):
         if self._given_llm is not None:
             self.vllm_entrypoint = self._given_llm
             return meta_model
+        from ..seams.frontend import taps_for
+
+        self._taps, kernel = taps_for(kwargs.get("additional_config"))
         if self._taps:  # refused here, with what exists, before an engine starts
             from ..taps.source import operations_in
             from ..taps.spec import resolve
 
             resolve(self._taps, (name for name, _ in meta_model.named_modules()), operations_in(meta_model))
-        # Traced steps run as Python on any engine; eager also skips the compile
-        # at start-up. Pass enforce_eager=False for graphed plain requests.
-        kwargs.setdefault("enforce_eager", True)
+        # An engine with taps is built for its graphs, where its taps are one kernel
+        # each (CUDA) or were asked for here. Otherwise eager skips the compile at
+        # start-up, and a traced step runs as Python on any engine: pass
+        # enforce_eager=False for graphed plain requests.
+        graphed = bool(self._taps) and (kernel or self._taps_asked)
+        kwargs.setdefault("enforce_eager", not graphed)
         if self._async_engine:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM

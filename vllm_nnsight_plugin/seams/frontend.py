@@ -40,23 +40,51 @@ def patch_engine_args() -> None:
 
 
 def _taps_into_config(engine_args: Any) -> None:
-    """Put the engine's taps (``VLLM_NNSIGHT_TAPS``, or already there) in its
-    ``additional_config`` with this plugin's version: vLLM hashes that dict into
-    the compile cache's key, so graphs built with other taps, or none, or by
-    another release of the tap operation, are never reused."""
-    from ..settings import value
-    from ..taps.spec import CONFIG_KEY, VERSION_KEY, from_env, parse, version_value
+    """Put the engine's taps in its ``additional_config`` with this plugin's
+    version: vLLM hashes that dict into the compile cache's key, so graphs built
+    with other taps, or none, or by another release of the tap operation, are
+    never reused."""
+    from ..taps.spec import CONFIG_KEY, VERSION_KEY, version_value
     from ..versions import PLUGIN_VERSION
 
     extra = engine_args.additional_config
     extra = dict(extra) if isinstance(extra, dict) else None
     if extra is None:
         return  # a config object of the user's own: leave it alone
-    taps = parse(extra.get(CONFIG_KEY)) or from_env()
+    taps, kernel = taps_for(extra)
     if taps:
         extra[CONFIG_KEY] = list(taps)
-        extra[VERSION_KEY] = version_value(PLUGIN_VERSION, bool(value("VLLM_NNSIGHT_TAP_KERNEL")))
+        extra[VERSION_KEY] = version_value(PLUGIN_VERSION, kernel)
         engine_args.additional_config = extra
+
+
+def taps_for(extra: dict | None) -> tuple[tuple[str, ...], bool]:
+    """The taps an engine built with this ``additional_config`` gets, and whether
+    each runs as one kernel: its own list (``"none"`` or empty: none), else
+    ``VLLM_NNSIGHT_TAPS``, else the default (``spec.defaults``)."""
+    from ..settings import value
+    from ..taps.spec import CONFIG_KEY, defaults, from_env, parse
+
+    kernel = value("VLLM_NNSIGHT_TAP_KERNEL")
+    if kernel is None:
+        kernel = cuda_with_triton()
+    if extra is not None and CONFIG_KEY in extra:
+        return parse(extra[CONFIG_KEY]), kernel
+    taps = from_env()
+    return (defaults(kernel) if taps is None else taps), kernel
+
+
+def cuda_with_triton() -> bool:
+    """Whether this process's platform is CUDA and Triton imports (a tap can run
+    as one kernel). Never raises: anything unsure is False."""
+    import importlib.util
+
+    try:
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_cuda()) and importlib.util.find_spec("triton") is not None
+    except Exception:  # noqa: BLE001 - a platform vLLM cannot name has no kernel
+        return False
 
 
 def patch_input_processor() -> None:

@@ -34,7 +34,7 @@ import torch
 
 from . import ops, source
 from .kept import Lowered, Regions, kept_saves, picks_a_row, rows_kept, store_rows
-from .spec import engine_taps, kernel_chosen, resolve, split_site
+from .spec import LAYER_LISTS, engine_taps, kernel_chosen, resolve, split_site
 
 logger = logging.getLogger("vllm_nnsight_plugin")
 
@@ -329,6 +329,7 @@ class TapTables:
     def stats(self) -> dict[str, Any]:
         return {
             "taps": list(self.sites),
+            "tap_operation": "one" if self.one_op else "steer and keep",
             "lowered_now": len(self.requests),
             "kept_rows": self.kept_rows,
             "kept_free_rows": self.regions.free_rows(),
@@ -343,6 +344,9 @@ def install(runner: Any, model: Any) -> TapTables | None:
     if not patterns:
         return None
     sites = resolve(patterns, (name for name, _ in model.named_modules()), source.operations_in(model))
+    if not sites:  # "layers" on a model that keeps its decoder layers nowhere known
+        logger.info("vllm-nnsight: no taps: this model has no decoder layers at %s", ", ".join(LAYER_LISTS))
+        return None
     max_tokens, hidden, max_seqs, device = seams.tap_table_sizes(runner)
     tuples = frozenset(
         i

@@ -7,6 +7,10 @@ An operation inside a module's forward is tapped as nnsight names it:
 ``"model.layers.*.self_attn.source.self_attn_0.output"``. A site is the module
 path, or ``<module path>.source.<operation>``. Inputs are not taps; a pattern
 that names nothing is refused with what exists instead, never ignored.
+
+Two words stand for lists: ``"layers"`` is every decoder layer's output, wherever
+the model keeps its layers (the default where each tap runs as one kernel), and
+``"none"`` is no taps.
 """
 
 from __future__ import annotations
@@ -32,6 +36,21 @@ ENV = "VLLM_NNSIGHT_TAPS"
 RUNNER_ATTR = "_vllm_nnsight_taps"
 
 
+#: Every decoder layer's output, wherever the model keeps them (:func:`decoder_layers`).
+LAYERS = "layers"
+#: No taps, where a default would give some.
+NONE = "none"
+#: Where vLLM's models keep their decoder layers, tried in this order.
+LAYER_LISTS = (
+    "model.layers",
+    "model.language_model.layers",
+    "language_model.model.layers",
+    "model.decoder.layers",
+    "transformer.h",
+    "gpt_neox.layers",
+)
+
+
 class TapError(ValueError):
     """A tap pattern that names nothing this model has."""
 
@@ -49,13 +68,32 @@ def parse(patterns: Iterable[str] | str | None) -> tuple[str, ...]:
     found = tuple(p.strip() for p in items if isinstance(p, str) and p.strip())
     if len(found) != len(items):
         raise TapError(f"taps must be strings naming module outputs, got {items!r}")
-    return found
+    return () if found == (NONE,) else found
 
 
-def from_env() -> tuple[str, ...]:
+def from_env() -> tuple[str, ...] | None:
+    """``VLLM_NNSIGHT_TAPS``; None when unset (the default applies)."""
     from ..settings import value
 
-    return tuple(value(ENV))
+    found = value(ENV)
+    return None if found is None else tuple(found)
+
+
+def defaults(kernel: bool) -> tuple[str, ...]:
+    """The taps of an engine nobody gave any: every decoder layer where each tap
+    runs as one kernel (what that costs an idle engine was measured, below 1%:
+    ``benchmarks/RESULTS.md``), none where taps run as tensor operations."""
+    return (LAYERS,) if kernel else ()
+
+
+def decoder_layers(module_names: Iterable[str]) -> str | None:
+    """The pattern of every decoder layer's output (:data:`LAYER_LISTS`), or None
+    for a model that keeps them nowhere known."""
+    names = set(module_names)
+    for path in LAYER_LISTS:
+        if f"{path}.0" in names:
+            return f"{path}.*.output"
+    return None
 
 
 def resolve(
@@ -71,6 +109,10 @@ def resolve(
     names = [name for name in module_names if name]
     chosen: set[str] = set()
     for pattern in patterns:
+        if pattern == LAYERS:  # a model without known decoder layers: none from it
+            pattern = decoder_layers(names)
+            if pattern is None:
+                continue
         path, dot, side = pattern.rpartition(".")
         module, source, operation = path.partition(".source.")
         malformed = (source and (not operation or "." in operation)) or module.endswith(".source")
@@ -136,8 +178,8 @@ def _built_with(vllm_config: Any, key: str) -> Any:
 
 
 def kernel_chosen(vllm_config: Any) -> bool:
-    """Whether the engine was built to run each tap as one operation
-    (``VLLM_NNSIGHT_TAP_KERNEL=1`` where its config was made)."""
+    """Whether the engine was built to run each tap as one operation (where its
+    config was made: CUDA with Triton, or ``VLLM_NNSIGHT_TAP_KERNEL=1``)."""
     value = _built_with(vllm_config, VERSION_KEY)
     return isinstance(value, str) and value.endswith(KERNEL_MARK)
 

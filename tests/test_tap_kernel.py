@@ -1,0 +1,57 @@
+"""The tap kernel (``taps/ops.py``), run by Triton's interpreter on the CPU, against
+the tensor operations it stands for, bit for bit: the checks of
+``tests/gpu/test_gpu_kernel.py`` without a GPU, so every change to the kernel's
+arithmetic is caught here too. The interpreter is chosen as Triton is imported,
+hence a process of its own. No engine."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")  # the CPU wheel of vLLM brings it
+
+CHECK = r"""
+import sys
+import torch
+from vllm_nnsight_plugin.taps import ops
+from tests.gpu.test_gpu_kernel import busy_tables
+
+assert ops._kernel() is not None
+dtype = getattr(torch, sys.argv[1])
+for width in (576, 100):
+    generator = torch.Generator().manual_seed(width)
+    rows, sites = 37, 3
+    table, bank = busy_tables(rows, width, sites, generator, device="cpu")
+    slots, codes, dest = (table[:, part].t() for part in range(3))
+    for site in range(sites):
+        hidden = torch.randn((rows, width), generator=generator).to(dtype)
+        residual = torch.randn((rows, width), generator=generator).to(dtype)
+        for keeps in (0, 1, 2):
+            store = torch.zeros((2 * sites * rows + 4, width), dtype=dtype)
+            want_store = store.clone()
+            want = ops.steer(hidden, slots, bank, site)
+            if keeps:
+                ops.keep(want, want if keeps == 2 else residual, codes, dest, want_store, site)
+            got = ops.launch(ops._kernel(), hidden, residual, table, bank, store, site, keeps)
+            assert torch.equal(got, want), (width, site, keeps)
+            assert torch.equal(store[1:], want_store[1:]), (width, site, keeps)
+        assert not torch.equal(got, hidden)  # some rows were steered
+print("same")
+"""
+
+
+# Not bfloat16: the interpreter casts float32 to it by truncating where CUDA rounds
+# to nearest (the GPU test checks bfloat16 bit for bit).
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_the_tap_kernel_computes_what_the_tensor_operations_do_in_the_interpreter(dtype):
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    done = subprocess.run(
+        [sys.executable, "-c", CHECK, dtype], env=env, cwd=root, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("same"), done.stderr[-3000:]
