@@ -46,7 +46,8 @@ lens at the tapped layer every step (served at the sampler on ``on-taps``, 64 x 
 ``lens_among_plain`` one such request among 63 plain ones, ``capture`` keep one layer's output for every
 token (1,000 x 128; 64 x 128 for the anchors), ``prompt_read`` keep one layer's
 last prompt row, then generate (64 x 128), ``lens`` the logit lens over every
-layer for one prompt, one batched unembed (latency). On ``on-taps``,
+layer for one prompt, one batched unembed (latency), ``probe`` every layer's last
+row kept at every step (64 x 128; on ``on-taps`` with every layer tapped). On ``on-taps``,
 ``taps_check`` and ``capture_check`` compare the lowered steering and capture with
 the same blocks written to run as Python.
 
@@ -228,6 +229,23 @@ def capture_rows(model, batch, tokens) -> list:
     return rows
 
 
+def probe_rows(model, batch, tokens, layers: int) -> list:
+    """A probe's rows: every layer's last row at every step (lowered onto the taps
+    where every layer is one); each request's list of ``tokens * layers`` rows."""
+    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+        for ids in batch:
+            with tracer.invoke(ids):
+                rows = list().save()
+                for _ in tracer.iter[:tokens]:
+                    for i in range(layers):
+                        rows.append(model.model.layers[i].output[0][-1].clone())
+    return rows
+
+
+def every_layer_tapped() -> bool:
+    return any(t in ("layers", "model.layers.*.output") for t in TAPS)
+
+
 def lens_each_step(model, batch, tokens) -> None:
     """The docs' logit lens at the tapped layer, every step, each step's guesses
     kept: a read served at the sampler on a tapped engine (the norm and the
@@ -308,6 +326,10 @@ def trace1(model, ids):
 # ---------------------------------------------------------------- engines
 def hidden_size(path: str) -> int:
     return json.loads((Path(path) / "config.json").read_text())["hidden_size"]
+
+
+def layer_count(path: str) -> int:
+    return json.loads((Path(path) / "config.json").read_text())["num_hidden_layers"]
 
 
 def unit_vector(path: str):
@@ -407,6 +429,21 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
             wide = unique(WIDE)
             wall = timed(lambda wide=wide: steer(model, wide, TOKENS, vector))
             result(engine=name, job="steer256", tok_s=round(WIDE * TOKENS / wall, 1))
+        if every_layer_tapped():
+            layers = layer_count(path)
+            (before,) = llm.collective_rpc("nnsight_stats")
+            probe_rows(model, few[:4], 8, layers)  # warm-up
+            for _ in range(repeats):
+                batch = unique(CONCURRENT)
+                wall = timed(lambda batch=batch: probe_rows(model, batch, TOKENS, layers))
+                result(engine=name, job="probe", tok_s=round(CONCURRENT * TOKENS / wall, 1))
+            (after,) = llm.collective_rpc("nnsight_stats")
+            result(
+                engine=name,
+                job="probe_check",
+                kept=after["lowered_by"].get("keep", 0) - before["lowered_by"].get("keep", 0),
+                python=after["python_blocks"] - before["python_blocks"],
+            )
         lens_each_step(model, few[:4], 8)  # warm-up
         (before,) = llm.collective_rpc("nnsight_stats")
         for _ in range(repeats):

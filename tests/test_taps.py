@@ -131,6 +131,97 @@ def test_other_loops_over_layers_run_as_python(source):
     assert block_form(source) is None
 
 
+@pytest.mark.parametrize(
+    ("source", "over", "select", "code"),
+    [
+        (
+            "rows = list().save()\nfor _ in tracer.iter[:4]:\n    for i in (10, 20):\n"
+            "        rows.append(model.model.layers[i].output[0][-1].clone())\n",
+            ("i", (10, 20)),
+            -1,
+            KEEP_FIRST,
+        ),
+        (
+            "rows = list().save()\nfor _ in tracer.all():\n    for i in range(30):\n"
+            "        rows.append(model.model.layers[i].output[0] + model.model.layers[i].output[1])\n",
+            ("i", ("range", 30)),
+            None,
+            KEEP_SUM,
+        ),
+        (
+            "rows = list().save()\nfor step in tracer.iter[1:n]:\n    for layer in chosen:\n"
+            "        rows.append(model.model.layers[layer].output[1].clone())\n",
+            ("layer", Index("chosen")),
+            None,
+            KEEP_SECOND,
+        ),
+    ],
+)
+def test_keeping_several_layers_in_a_loop_is_recognised(source, over, select, code):
+    form = block_form(source)
+    assert form is not None and form.kept == "rows" and form.over == over
+    assert form.select == select and form.code == code and form.vector is None
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        # not over the layers; the steps read the loop's name; two statements inside;
+        # the kept list is the loop's name; a first-step read has no loop
+        "rows = list().save()\nfor _ in tracer.iter[:4]:\n    for i in (10, 20):\n"
+        "        rows.append(model.model.layers[10].output[0].clone())\n",
+        "rows = list().save()\nfor _ in tracer.iter[:i]:\n    for i in (10, 20):\n"
+        "        rows.append(model.model.layers[i].output[0].clone())\n",
+        "rows = list().save()\nfor _ in tracer.iter[:4]:\n    for i in (10, 20):\n"
+        "        rows.append(model.model.layers[i].output[0].clone())\n        x = 1\n",
+        "rows = list().save()\nfor _ in tracer.iter[:4]:\n    for rows in (10, 20):\n"
+        "        rows.append(model.model.layers[rows].output[0].clone())\n",
+        "for i in (10, 20):\n    first = model.model.layers[i].output[0].clone().save()\n",
+    ],
+)
+def test_other_keeps_over_layers_run_as_python(source):
+    assert block_form(source) is None
+
+
+def test_a_keep_at_several_taps_saves_the_list_its_loop_builds():
+    """Each tap's rows in a region of their own; the saves interleave them as the
+    loop appends: each step's rows at every tap before the next step's."""
+    tables = TapTables(("a", "b", "c"), max_tokens=8, hidden=3, entries=8, device="cpu", store_size=64)
+    last = Lowered(0, 0, None, None, code=KEEP_FIRST, name="last", select=-1)
+    every = Lowered(0, 0, 2, None, code=KEEP_SUM, name="every")
+    assert tables.add("l", last, room=3, also=(2,))
+    assert tables.add("e", every, room=5, also=(1, 2))
+    assert not tables.add(
+        "x", Lowered(0, 0, 1, None, code=KEEP_FIRST, name="x", single=True), room=3, also=(1,)
+    )
+    steps = []
+    for req_ids, starts, counts in [(["l", "e"], [0, 3], [3, 2]), (["e", "l"], [0, 1], [1, 1])]:
+        tables.fill(req_ids, bounds(starts, counts))
+        hidden, residual = torch.randn(3, 8, 3), torch.randn(3, 8, 3)
+        for site in range(3):
+            torch.ops.vllm_nnsight.keep(
+                hidden[site], residual[site], tables.codes, tables.dest, tables.store, site
+            )
+        steps.append((hidden, residual))
+    saved = {}
+    for name in ("l", "e"):
+        lowered, forwards = tables.forget(name)
+        assert forwards == 2 and not tables.overflowed(lowered)
+        saved.update(tables.saves(lowered))
+        tables.release(lowered)
+    (h0, r0), (h1, r1) = steps
+    rows = saved["last"].unstack()  # step 0 at a, at c; step 1 at a, at c
+    assert [tuple(r.shape) for r in rows] == [(3,)] * 4
+    for got, want in zip(rows, [h0[0, 2], h0[2, 2], h1[0, 1], h1[2, 1]]):
+        assert torch.equal(got, want)
+    rows = saved["every"].unstack()  # the sum at a, b, c on step 0, then step 1
+    assert [tuple(r.shape) for r in rows] == [(2, 3)] * 3 + [(1, 3)] * 3
+    wants = [h0[s, 3:5] + r0[s, 3:5] for s in range(3)] + [h1[s, 0:1] + r1[s, 0:1] for s in range(3)]
+    for got, want in zip(rows, wants):
+        assert torch.equal(got, want)
+    assert tables.regions.free_rows() == 63
+
+
 def test_the_names_a_steering_vector_reads():
     form = block_form(
         "for _ in tracer.iter[:3]:\n    h = layer.output[0]\n    h[:] += (v.to(h.dtype) - w.to(dev)) * 2\n"

@@ -133,6 +133,42 @@ def last_rows_python(model, tokens):
     return last, first
 
 
+def layers_lowered(model, tokens):
+    with model.trace(PROMPT, temperature=0.0, max_tokens=tokens) as tracer:
+        probe = list().save()
+        for _ in tracer.iter[:tokens]:
+            for i in (10, 20):
+                probe.append(model.model.layers[i].output[0][-1].clone())
+        out = tracer.result.save()
+    with model.trace(PROMPT, temperature=0.0, max_tokens=tokens) as tracer:
+        streams = list().save()
+        for _ in tracer.iter[1:]:
+            for layer in LAYERS:
+                streams.append(model.model.layers[layer].output[0] + model.model.layers[layer].output[1])
+    return probe, out, streams
+
+
+def layers_python(model, tokens):
+    with model.trace(PROMPT, temperature=0.0, max_tokens=tokens) as tracer:
+        probe = list().save()
+        for _ in tracer.iter[:tokens]:
+            model.model.embed_tokens.output.clone()  # no tap: the block runs as Python
+            for i in (10, 20):
+                probe.append(model.model.layers[i].output[0][-1].clone())
+        out = tracer.result.save()
+    with model.trace(PROMPT, temperature=0.0, max_tokens=tokens) as tracer:
+        streams = list().save()
+        for _ in tracer.iter[1:]:
+            model.model.embed_tokens.output.clone()  # no tap: the block runs as Python
+            for layer in LAYERS:
+                hidden, residual = model.model.layers[layer].output
+                streams.append(hidden + residual)
+    return probe, out, streams
+
+
+LAYERS = [10, 20]
+
+
 def same_list(got, want) -> None:
     assert type(got) is list and len(got) == len(want)
     for a, b in zip(got, want):
@@ -170,6 +206,24 @@ def test_one_row_of_each_step_is_kept_lowered_as_python_keeps_it_bit_for_bit(smo
     for got, want in zip(lowered, python, strict=True):
         assert [tuple(t.shape) for t in got] == [(576,)] * 4
         same_list(got, want)
+
+
+def test_rows_kept_at_several_layers_are_the_list_python_builds_bit_for_bit(smollm2_llm, smol):
+    """A probe's rows: each step's last row at every layer of a loop, one request,
+    one region per tap, the saves interleaved as the loop appends."""
+    before = stats(smollm2_llm)
+    probe, out, streams = layers_lowered(smol, 4)
+    middle = stats(smollm2_llm)
+    want_probe, want_out, want_streams = layers_python(smol, 4)
+    assert middle["lowered_by"]["keep"] - before["lowered_by"]["keep"] == 2
+    assert stats(smollm2_llm)["lowered"] == middle["lowered"]
+    assert middle["kept_rows"] - before["kept_rows"] == 2 * 4 + 2 * 3
+    assert [tuple(t.shape) for t in probe] == [(576,)] * 8
+    same_list(probe, want_probe)
+    same_list(streams, want_streams)
+    assert [tuple(t.shape) for t in streams] == [(1, 576)] * 6
+    assert list(out.outputs[0].token_ids) == list(want_out.outputs[0].token_ids)
+    assert stats(smollm2_llm)["kept_free_rows"] == before["kept_free_rows"]
 
 
 def test_the_residual_stream_sum_is_kept_every_step_and_tracer_result_follows(smollm2_llm, smol):

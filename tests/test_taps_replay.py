@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.engines import BATCHED
+from tests.engines import BATCHED, assert_batched_close
 from vllm_nnsight_plugin.taps.lower import Unlowered
 from vllm_nnsight_plugin.taps.replay import replayable
 
@@ -85,7 +85,7 @@ def test_a_read_with_computation_is_served_at_the_sampler_and_equals_python(smol
     assert stats(smollm2_llm)["python_blocks"] - after["python_blocks"] == 2
     for got, want in zip(streams, want_streams):
         assert got.shape == want.shape and got.shape[0] > 1  # every prompt row
-        torch.testing.assert_close(got, want, **BATCHED)  # two requests: batched either way
+        assert_batched_close(got, want)  # two requests: batched either way
     assert [t.tolist() for t in tokens] == [t.tolist() for t in want_tokens]
     for got, want in zip(results, want_results):
         assert list(got.outputs[0].token_ids) == list(want.outputs[0].token_ids)

@@ -24,6 +24,11 @@ statement; anything else, down to one more statement, runs as Python:
     for _ in tracer.iter[a:b]:
         rows.append(<kept>)             # or one row of them: <kept>[-1], <kept>[0]
 
+    rows = list().save()                # the same at several layers (a probe's rows)
+    for _ in tracer.iter[a:b]:
+        for i in <layers>:
+            rows.append(<kept on model.model.layers[i]>)
+
     first = <kept>[<index>].save()      # a read on the first step only (index optional)
 
     cache = tracer.cache(modules=[<tap>])   # the tap's whole output, every step
@@ -243,6 +248,12 @@ def _keeping(body: list[ast.stmt]) -> Form | None:
     if loop is None:
         return None
     tracer, start, stop, target, (statement,) = loop
+    over = None
+    if isinstance(statement, ast.For):  # keeping several layers
+        inner = _layers_loop(statement)
+        if inner is None or len(inner[1]) != 1:
+            return None
+        over, (statement,) = inner
     call = statement.value if isinstance(statement, ast.Expr) else None
     if not (
         isinstance(call, ast.Call)
@@ -263,7 +274,11 @@ def _keeping(body: list[ast.stmt]) -> Form | None:
     tap, code, whole = value
     if _reads(tap, start, stop) & {target, tracer, kept}:
         return None
-    return Form(tracer, start, stop, tap, None, code=code, kept=kept, select=select, whole=whole)
+    if over is not None:
+        bounds = {part.name for part in (start, stop) if isinstance(part, Index)}
+        if over[0] in bounds | {target, tracer, kept} or not _indexes_layers(tap, over[0]):
+            return None  # the steps read the layer, or the loop is not over the layers
+    return Form(tracer, start, stop, tap, None, code=code, kept=kept, select=select, whole=whole, over=over)
 
 
 #: The rows a step-by-step keep may pick: one every step of any request has.

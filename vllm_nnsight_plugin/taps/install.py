@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from . import ops, source
-from .kept import Lowered, Regions, kept_saves, picks_a_row, rows_kept, store_rows
+from .kept import Lowered, Regions, kept_saves, layers_saves, picks_a_row, rows_kept, store_rows
 from .spec import LAYER_LISTS, engine_taps, kernel_chosen, resolve, split_site
 
 logger = logging.getLogger("vllm_nnsight_plugin")
@@ -140,14 +140,14 @@ class TapTables:
 
         A steering block brings its ``vector``; a keeping block needs ``room``
         rows of the store (all its request can produce). ``also``: other sites a
-        steering block adds the same vector at, or a block served at the sampler
-        keeps (``replay.py``: a region of ``room`` rows each), each an entry of
-        its own.
+        steering block adds the same vector at, or a keeping block (or one served
+        at the sampler, ``replay.py``) keeps, in a region of ``room`` rows each,
+        each an entry of its own.
         """
         if request_id in self.requests or len(self.free) < 1 + len(also):
             return False
-        if also and lowered.code and not lowered.replay:
-            return False
+        if also and lowered.code and lowered.single:
+            return False  # a read on the first step names one tap
         if lowered.code:
             bases = [self.regions.take(room) if room > 0 else None for _ in range(1 + len(also))]
             if None in bases:
@@ -228,6 +228,8 @@ class TapTables:
         steps, done, first = int(self._steps[entry]), int(self._done[entry]), int(self._first[entry])
         if counted is not None and counted < steps:
             steps, done = counted, rows_kept(lowered, counted, first)
+        if len(lowered.regions) > 1 and not lowered.replay:
+            return layers_saves(lowered, self.store, steps, done, first)
         return kept_saves(lowered, self.store, steps, done, first)
 
     def release(self, lowered: Lowered) -> None:

@@ -119,6 +119,33 @@ def kept_saves(lowered: Lowered, store: Any, steps: int, done: int, first: int) 
     return {lowered.name: Stacked(data, tuple(lengths))}
 
 
+def layers_saves(lowered: Lowered, store: Any, steps: int, done: int, first: int) -> dict[str, Any]:
+    """What a block keeping the same rows at several taps saved (``lowered.regions``,
+    in the order its loop visits them): the one list it built, each step's rows
+    at every tap before the next step's, gathered from the regions in one copy."""
+    import torch
+
+    lengths = _lengths(lowered, steps, first)
+    if sum(lengths) != done:  # cannot happen while the fill keeps its books
+        raise RuntimeError(f"kept {done} rows, counted {sum(lengths)}")
+    bases = [base for _, base in lowered.regions]
+    offsets = [0]
+    for length in lengths[:-1]:
+        offsets.append(offsets[-1] + length)
+    index = [
+        row
+        for offset, length in zip(offsets, lengths)
+        for base in bases
+        for row in range(base + offset, base + offset + length)
+    ]
+    data = store.index_select(0, torch.tensor(index, dtype=torch.long, device=store.device))
+    if picks_a_row(lowered):  # each element is one row: [width]
+        found = Stacked(data, None) if len(index) >= 2 else list(data.unbind(0))
+        return {lowered.name: found}
+    each = tuple(length for length in lengths for _ in bases)
+    return {lowered.name: Stacked(data, each) if len(each) >= 2 else list(Stacked(data, each).unstack())}
+
+
 class Regions:
     """First-fit allocation of row ranges of the store (row 0 is never handed out)."""
 

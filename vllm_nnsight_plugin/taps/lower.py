@@ -28,8 +28,8 @@ the values it captured must pass the checks here, or it runs as Python:
 Then the block's whole effect is known. Steering: on steps ``a`` to ``b - 1`` of
 its request, every row of that request at that tap gets the vector added (or
 the one row of each step it names, which must then be ``[width]``).
-Keeping: on those steps the request's rows at the tap are copied out, and come
-back as the list the loop would have built (for a first-step read, the one
+Keeping: on those steps the request's rows at the tap (at each of its layers)
+are copied out, and come back as the list the loop would have built (for a first-step read, the one
 value; for a cache, the view nnsight's ``tracer.cache`` saves). Either way, the
 finished output is saved under ``out`` if the request lived through step
 ``b - 1`` (as Python, the line after the loop runs only then; after
@@ -57,7 +57,8 @@ class LoweredBlock:
     site: str  # module path relative to the model, as in the taps
     lowered: Lowered
     vector: torch.Tensor | None
-    #: steering several layers: the other taps the vector is added at, in model order
+    #: several layers: the other taps the vector is added at, or whose rows are
+    #: kept, in model order
     also: tuple[int, ...] = ()
 
 
@@ -120,7 +121,7 @@ def lower(
         lowered.select, lowered.single = form.select, form.single
         if form.cache:
             lowered.cache = f"{model.path}.{path}"  # the key nnsight's cache files it under
-        return LoweredBlock(path, lowered, None)
+        return LoweredBlock(path, lowered, None, also)
     lowered.select = form.select  # one row of each step, or None: every row
     vector = _vector(form, scope, tables.hidden, dtype, tables.device)
     return _VECTOR if vector is None else LoweredBlock(path, lowered, vector, also)
@@ -129,8 +130,8 @@ def lower(
 def _layers(
     form: Form, scope: dict[str, Any], model: Any, tables: Any
 ) -> tuple[dict[str, Any], tuple[int, ...]] | Unlowered:
-    """Steering over several layers: the scope with the loop's name at its first
-    layer, and the taps of the others. The layers must be taps the model reaches
+    """Steering or keeping over several layers: the scope with the loop's name at
+    its first layer, and the taps of the others. The layers must be taps the model reaches
     one after the other: whole numbers, each once, in increasing order (Python
     would add twice, or wait for a layer already run)."""
     name, spec = form.over
