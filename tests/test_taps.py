@@ -451,6 +451,47 @@ def test_only_a_forward_that_always_returns_a_tuple_is_read_as_one():
     assert returns_tuple(Layer) and not returns_tuple(Maybe) and not returns_tuple(Plain)
 
 
+class _Pair(torch.nn.Module):
+    def forward(self, x, residual):
+        return x * 2, x + residual
+
+
+class _Alone(torch.nn.Module):  # as gemma4's and minicpm's decoder layers in vLLM
+    def forward(self, x, residual):
+        return x * 2, None
+
+
+def test_the_default_taps_every_decoder_layer_that_returns_hidden_and_residual():
+    """``"layers"`` never stops an engine: a model whose layers return no residual
+    (``return hidden, None``) or sit nowhere known gets no taps."""
+    from vllm_nnsight_plugin.taps.install import _decoder_layers
+
+    def model(layer: type, where: str = "layers") -> torch.nn.Module:
+        root, inner = torch.nn.Module(), torch.nn.Module()
+        setattr(inner, where, torch.nn.ModuleList([layer(), layer()]))
+        root.model = inner
+        return root
+
+    assert _decoder_layers(model(_Pair)) == ("model.layers.0", "model.layers.1")
+    assert returns_tuple(_Pair, exactly=2) and not returns_tuple(_Alone)
+    assert _decoder_layers(model(_Alone)) == ()
+    assert _decoder_layers(model(_Pair, where="blocks")) == ()
+
+
+def test_a_tap_on_a_value_whose_second_is_not_a_tensor_steers_and_keeps_nothing_else():
+    from vllm_nnsight_plugin.taps.install import _apply
+
+    for one_op in (False, True):
+        tables = TapTables(
+            ("l",), max_tokens=4, hidden=3, entries=2, device="cpu", store_size=8, one_op=one_op
+        )
+        tables.bank[0] = torch.tensor([1.0, 2.0, 3.0])
+        tables.slots[0, :2] = 0
+        hidden = torch.zeros(2, 3)
+        out = _apply(tables, 0, (hidden, None))
+        assert out[1] is None and torch.equal(out[0], torch.tensor([[1.0, 2.0, 3.0]] * 2))
+
+
 def steering(site, start, stop, result=None):
     return Lowered(site, start, stop, result)
 

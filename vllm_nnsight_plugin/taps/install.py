@@ -34,7 +34,7 @@ import torch
 
 from . import ops, source
 from .kept import Lowered, Regions, kept_saves, layers_saves, picks_a_row, rows_kept, store_rows
-from .spec import LAYER_LISTS, engine_taps, kernel_chosen, resolve, split_site
+from .spec import LAYER_LISTS, LAYERS, engine_taps, kernel_chosen, resolve, split_site
 
 logger = logging.getLogger("vllm_nnsight_plugin")
 
@@ -345,9 +345,11 @@ def install(runner: Any, model: Any) -> TapTables | None:
     patterns = engine_taps(runner.vllm_config)
     if not patterns:
         return None
-    sites = resolve(patterns, (name for name, _ in model.named_modules()), source.operations_in(model))
-    if not sites:  # "layers" on a model that keeps its decoder layers nowhere known
-        logger.info("vllm-nnsight: no taps: this model has no decoder layers at %s", ", ".join(LAYER_LISTS))
+    if patterns == (LAYERS,):
+        sites = _decoder_layers(model)
+    else:
+        sites = resolve(patterns, (name for name, _ in model.named_modules()), source.operations_in(model))
+    if not sites:
         return None
     max_tokens, hidden, max_seqs, device = seams.tap_table_sizes(runner)
     tuples = frozenset(
@@ -378,10 +380,32 @@ def install(runner: Any, model: Any) -> TapTables | None:
     return tables
 
 
+def _decoder_layers(model: Any) -> tuple[str, ...]:
+    """The sites of ``"layers"`` (the default on CUDA): every decoder layer whose
+    forward returns the pair ``(hidden, residual)`` by its source. A model whose
+    layers are elsewhere, or return something else, gets no taps: the word never
+    stops an engine from starting, whatever the model."""
+    try:
+        sites = resolve((LAYERS,), (name for name, _ in model.named_modules()))
+        kinds = {type(model.get_submodule(site)) for site in sites}
+        paired = all(returns_tuple(kind, exactly=2) for kind in kinds)
+    except Exception:  # noqa: BLE001 - a model this reading does not know: no taps
+        logger.warning("vllm-nnsight: no taps: this model's decoder layers could not be read", exc_info=True)
+        return ()
+    if not sites:
+        logger.info("vllm-nnsight: no taps: this model has no decoder layers at %s", ", ".join(LAYER_LISTS))
+        return ()
+    if not paired:
+        logger.info("vllm-nnsight: no taps: this model's decoder layers do not return (hidden, residual)")
+        return ()
+    return sites
+
+
 def returns_tuple(cls: type, exactly: int | None = None) -> bool:
     """Whether every ``return`` of the class's ``forward`` is a tuple display of two
     or more values (a decoder layer's ``return hidden_states, residual``), or of
-    ``exactly`` that many.
+    ``exactly`` that many, none of them ``None`` (``return hidden_states, None``
+    has no second value to keep).
 
     Read from the source, so it holds for every call; anything unreadable or less
     certain is False, and blocks on that tap run as Python.
@@ -406,6 +430,7 @@ def returns_tuple(cls: type, exactly: int | None = None) -> bool:
         and len(r.value.elts) >= 2
         and (exactly is None or len(r.value.elts) == exactly)
         and not any(isinstance(e, ast.Starred) for e in r.value.elts)
+        and not any(isinstance(e, ast.Constant) and e.value is None for e in r.value.elts)
         for r in returns
     )
 
@@ -433,16 +458,18 @@ _TAPPED: dict[tuple[type, frozenset[str], bool], type] = {}
 
 
 def _apply(tables: TapTables, site: int, out: Any) -> Any:
-    """The tap operations on a value: a tensor, or a tuple led by the hidden state."""
+    """The tap operations on a value: a tensor, or a tuple led by the hidden state
+    (whose second value, where it is a tensor, is kept beside it)."""
+    paired = isinstance(out, tuple) and len(out) >= 2 and isinstance(out[1], torch.Tensor)
     if tables.one_op:
         tap = torch.ops.vllm_nnsight.tap
-        if isinstance(out, tuple) and len(out) >= 2:
+        if paired:
             return (tap(out[0], out[1], tables.table, tables.bank, tables.store, site, 1), *out[1:])
         if isinstance(out, tuple):
             return (tap(out[0], out[0], tables.table, tables.bank, tables.store, site, 0), *out[1:])
         return tap(out, out, tables.table, tables.bank, tables.store, site, 2)
     steer, keep = torch.ops.vllm_nnsight.steer, torch.ops.vllm_nnsight.keep
-    if isinstance(out, tuple) and len(out) >= 2:
+    if paired:
         hidden = steer(out[0], tables.slots, tables.bank, site)
         keep(hidden, out[1], tables.codes, tables.dest, tables.store, site)
         return (hidden, *out[1:])
