@@ -738,9 +738,16 @@ def test_the_store_hands_out_and_merges_regions():
 
 
 def test_a_tap_whose_forward_may_not_return_a_tuple_takes_no_output_0_block():
+    from vllm_nnsight_plugin.taps.install import _apply
+
     tables = TapTables(("model.norm",), 4, 2, 2, "cpu", tuple_sites=frozenset(), store_size=4)
-    torch.ops.vllm_nnsight.steer(torch.zeros(3, 2), tables.slots, tables.bank, 0)
+    _apply(tables, 0, torch.zeros(3, 2))
     assert not tables.means(0, whole=False) and tables.means(0, whole=True)
+    one = TapTables(("model.norm",), 4, 2, 2, "cpu", tuple_sites=frozenset(), store_size=4, one_op=True)
+    _apply(one, 0, torch.zeros(3, 2))  # the one operation notes the same
+    assert not one.means(0, whole=False) and one.means(0, whole=True)
+    _apply(one, 0, (torch.zeros(3, 2),))  # a tuple of one: never read as a tensor
+    assert not one.means(0, whole=True)
 
 
 # ---------------------------------------------------------------- on the engine

@@ -110,17 +110,22 @@ def test_a_tensor_taps_steering_form_is_recognised_as_whole():
 
 
 def test_a_block_is_lowered_only_where_it_reads_the_tap_as_its_value_is():
-    tables = TapTables(("a", "b", "c"), 8, 4, 4, "cpu", tuple_sites=frozenset({0}), store_size=8)
+    from vllm_nnsight_plugin.taps.install import _apply
+
+    tables = TapTables(("a", "b", "c", "d"), 8, 4, 4, "cpu", tuple_sites=frozenset({0}), store_size=8)
     assert not tables.means(1, True)  # never ran: its width is unknown
     assert tables.means(0, False)  # a tuple's first value is the hidden state
-    for site, shape in ((0, (3, 4)), (1, (3, 4)), (2, (3, 6))):
-        ops.steer(torch.zeros(shape), tables.slots, tables.bank, site)
+    _apply(tables, 0, (torch.zeros(3, 4), torch.zeros(3, 4)))  # what the taps see as the forward runs
+    _apply(tables, 1, torch.zeros(3, 4))
+    _apply(tables, 2, torch.zeros(3, 6))
+    _apply(tables, 3, (torch.zeros(3, 4), None))
     assert tables.means(0, False) and not tables.means(0, True)  # a tuple: output[0]
     assert tables.means(1, True) and not tables.means(1, False)  # a tensor: output
     assert not tables.means(2, True)  # another width: Python
+    assert not tables.means(3, True) and not tables.means(3, False)  # (hidden, None): a tuple, no pair
     wide = torch.randn(3, 6)
     assert torch.equal(ops.steer(wide, tables.slots, tables.bank, 2), wide)
-    ops.forget_seen(tables.slots)  # what new tables at this address do first
+    ops.forget_seen(tables.slots, tables.codes)  # what new tables at this address do first
     assert not tables.means(1, True)
 
 

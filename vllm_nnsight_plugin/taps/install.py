@@ -79,7 +79,7 @@ class TapTables:
         #: each tap runs as ``ops.tap`` (one kernel on CUDA) rather than ``steer`` and ``keep``
         self.one_op = one_op
         self.slots, self.codes, self.dest = (table[:, part].t() for part in range(3))
-        ops.forget_seen(self.slots)
+        ops.forget_seen(self.slots, self.codes)
         self.bank = torch.zeros((entries, hidden), dtype=torch.float32, device=self.device)
         rows = store_size or store_rows(hidden * dtype.itemsize, cuda)
         self.store = torch.zeros((rows, hidden), dtype=dtype, device=self.device)
@@ -196,7 +196,9 @@ class TapTables:
         known once it has run through the tap (``ops.seen``: the engine's first
         forward, which a GPU engine runs before it serves and an eager CPU engine
         with its first step); until then such blocks run as Python. What ran must
-        be one row per token, as wide as the bank, in the store's dtype.
+        be one row per token, as wide as the bank, in the store's dtype, and have
+        come through the tap as the block reads it (a pair, or one tensor:
+        ``ops.passed``; a tuple without a second tensor keeps nothing).
         """
         if whole == (site in self.tuple_sites):
             return False
@@ -204,6 +206,8 @@ class TapTables:
         if value is None:
             return not whole
         shape, dtype = value
+        if ops.passed(self.codes, site) != (2 if whole else 1):
+            return False
         return len(shape) == 2 and shape[1] == self.hidden and dtype == self.store.dtype
 
     def forget(self, request_id: str) -> tuple[Lowered, int] | None:

@@ -69,10 +69,24 @@ def seen(slots: torch.Tensor, site: int) -> tuple[tuple[int, ...], torch.dtype] 
     return _SEEN.get((slots.data_ptr(), site))
 
 
-def forget_seen(slots: torch.Tensor) -> None:
-    """Drop what was noted under ``slots``' address (new tables may reuse an old one's)."""
+#: How each site's value last came through a tap, keyed by the codes table's
+#: address: 1 a pair (the hidden state and a second tensor beside it), 2 one
+#: tensor; absent, neither (a tuple with no second tensor: nothing is kept there).
+_PASSED: dict[tuple[int, int], int] = {}
+
+
+def passed(codes: torch.Tensor, site: int) -> int:
+    """1 where the tap at ``site`` last ran on a pair, 2 on one tensor, 0 otherwise."""
+    return _PASSED.get((codes.data_ptr(), site), 0)
+
+
+def forget_seen(slots: torch.Tensor, codes: torch.Tensor | None = None) -> None:
+    """Drop what was noted under the tables' addresses (new tables may reuse an old one's)."""
     for key in [key for key in _SEEN if key[0] == slots.data_ptr()]:
         del _SEEN[key]
+    if codes is not None:
+        for key in [key for key in _PASSED if key[0] == codes.data_ptr()]:
+            del _PASSED[key]
 
 
 @torch.library.custom_op(f"{NAMESPACE}::steer", mutates_args=())
@@ -100,6 +114,7 @@ def keep(
     store: torch.Tensor,
     site: int,
 ) -> None:
+    _PASSED[codes.data_ptr(), site] = 2 if first.data_ptr() == second.data_ptr() else 1
     rows = first.shape[0]
     if first.dim() != 2 or first.shape[-1] != store.shape[-1] or rows > codes.shape[1]:
         return
@@ -136,6 +151,7 @@ def tap(
 ) -> torch.Tensor:
     """``steer`` then (where ``keeps``) ``keep`` at one tap, in one pass on CUDA."""
     slots, codes, dest = (table[:, part].t() for part in range(3))
+    _PASSED[codes.data_ptr(), site] = keeps  # 0: a tuple without a second tensor
     kernel = _kernel() if hidden.is_cuda else None
     fits = (
         hidden.dim() == 2
