@@ -1081,25 +1081,30 @@ def test_taps_from_the_environment_go_into_the_hashed_engine_config(monkeypatch,
 
 
 def test_an_engine_nobody_gave_taps_taps_every_decoder_layer_where_a_tap_is_one_kernel(monkeypatch):
-    from vllm_nnsight_plugin.seams.frontend import cuda_with_triton, taps_for
+    from vllm_nnsight_plugin.seams.frontend import cuda_with_triton
+    from vllm_nnsight_plugin.taps.spec import taps_for
 
     monkeypatch.delenv("VLLM_NNSIGHT_TAPS", raising=False)
     monkeypatch.setenv("VLLM_NNSIGHT_TAP_KERNEL", "1")
-    assert taps_for({}) == (("layers",), True)
-    assert taps_for(None) == (("layers",), True)
-    assert taps_for({"nnsight_taps": "none"}) == ((), True)  # the operator's word wins
-    assert taps_for({"nnsight_taps": []}) == ((), True)
-    assert taps_for({"nnsight_taps": ["model.norm.output"]}) == (("model.norm.output",), True)
+    assert taps_for({}, cuda_with_triton) == (("layers",), True)
+    assert taps_for(None, cuda_with_triton) == (("layers",), True)
+    assert taps_for({"nnsight_taps": "none"}, cuda_with_triton) == ((), True)  # the operator's word wins
+    assert taps_for({"nnsight_taps": []}, cuda_with_triton) == ((), True)
+    assert taps_for({"nnsight_taps": ["model.norm.output"]}, cuda_with_triton) == (
+        ("model.norm.output",),
+        True,
+    )
     monkeypatch.setenv("VLLM_NNSIGHT_TAPS", "none")
-    assert taps_for({}) == ((), True)
+    assert taps_for({}, cuda_with_triton) == ((), True)
     monkeypatch.setenv("VLLM_NNSIGHT_TAPS", "model.layers.3.output")
-    assert taps_for({}) == (("model.layers.3.output",), True)
+    assert taps_for({}, cuda_with_triton) == (("model.layers.3.output",), True)
     monkeypatch.delenv("VLLM_NNSIGHT_TAPS")
     monkeypatch.setenv("VLLM_NNSIGHT_TAP_KERNEL", "0")  # taps as tensor operations: none by default
-    assert taps_for({}) == ((), False)
+    assert taps_for({}, cuda_with_triton) == ((), False)
     monkeypatch.delenv("VLLM_NNSIGHT_TAP_KERNEL")  # unset: the kernel where CUDA and Triton are
     assert not cuda_with_triton()  # this CPU
-    assert taps_for({}) == ((), False)
+    assert taps_for({}, cuda_with_triton) == ((), False)
+    assert taps_for({}, lambda: True) == (("layers",), True)  # what a CUDA engine gets
 
 
 def test_layers_names_every_decoder_layer_wherever_the_model_keeps_them():

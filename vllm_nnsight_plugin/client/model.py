@@ -237,9 +237,10 @@ class VLLM(Edits, _NNsightVLLM):
         if self._given_llm is not None:
             self.vllm_entrypoint = self._given_llm
             return meta_model
-        from ..seams.frontend import taps_for
+        from ..seams.frontend import cuda_with_triton
+        from ..taps.spec import taps_for
 
-        self._taps, kernel = taps_for(kwargs.get("additional_config"))
+        self._taps, kernel = taps_for(kwargs.get("additional_config"), cuda_with_triton)
         if self._taps:  # refused here, with what exists, before an engine starts
             from ..taps.source import operations_in
             from ..taps.spec import resolve

@@ -44,34 +44,18 @@ def _taps_into_config(engine_args: Any) -> None:
     version: vLLM hashes that dict into the compile cache's key, so graphs built
     with other taps, or none, or by another release of the tap operation, are
     never reused."""
-    from ..taps.spec import CONFIG_KEY, VERSION_KEY, version_value
+    from ..taps.spec import CONFIG_KEY, VERSION_KEY, taps_for, version_value
     from ..versions import PLUGIN_VERSION
 
     extra = engine_args.additional_config
     extra = dict(extra) if isinstance(extra, dict) else None
     if extra is None:
         return  # a config object of the user's own: leave it alone
-    taps, kernel = taps_for(extra)
+    taps, kernel = taps_for(extra, cuda_with_triton)
     if taps:
         extra[CONFIG_KEY] = list(taps)
         extra[VERSION_KEY] = version_value(PLUGIN_VERSION, kernel)
         engine_args.additional_config = extra
-
-
-def taps_for(extra: dict | None) -> tuple[tuple[str, ...], bool]:
-    """The taps an engine built with this ``additional_config`` gets, and whether
-    each runs as one kernel: its own list (``"none"`` or empty: none), else
-    ``VLLM_NNSIGHT_TAPS``, else the default (``spec.defaults``)."""
-    from ..settings import value
-    from ..taps.spec import CONFIG_KEY, defaults, from_env, parse
-
-    kernel = value("VLLM_NNSIGHT_TAP_KERNEL")
-    if kernel is None:
-        kernel = cuda_with_triton()
-    if extra is not None and CONFIG_KEY in extra:
-        return parse(extra[CONFIG_KEY]), kernel
-    taps = from_env()
-    return (defaults(kernel) if taps is None else taps), kernel
 
 
 def cuda_with_triton() -> bool:

@@ -86,6 +86,22 @@ def defaults(kernel: bool) -> tuple[str, ...]:
     return (LAYERS,) if kernel else ()
 
 
+def taps_for(extra: dict | None, cuda_with_triton: Callable[[], bool]) -> tuple[tuple[str, ...], bool]:
+    """The taps an engine built with this ``additional_config`` gets, and whether
+    each runs as one kernel (``VLLM_NNSIGHT_TAP_KERNEL``; unset, where
+    ``cuda_with_triton()``, the platform's answer): its own list (``"none"`` or
+    empty: none), else ``VLLM_NNSIGHT_TAPS``, else :func:`defaults`."""
+    from ..settings import value
+
+    kernel = value("VLLM_NNSIGHT_TAP_KERNEL")
+    if kernel is None:
+        kernel = cuda_with_triton()
+    if extra is not None and CONFIG_KEY in extra:
+        return parse(extra[CONFIG_KEY]), kernel
+    taps = from_env()
+    return (defaults(kernel) if taps is None else taps), kernel
+
+
 def decoder_layers(module_names: Iterable[str]) -> str | None:
     """The pattern of every decoder layer's output (:data:`LAYER_LISTS`), or None
     for a model that keeps them nowhere known."""
