@@ -491,9 +491,18 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
         batch = unique(n)
         wall = timed(lambda batch=batch, kept=kept: kept.append(capture(model, batch, TOKENS)))
         result(engine=name, job=f"capture{n}", tok_s=round(n * TOKENS / wall, 1), rows=kept[0])
+    (before,) = llm.collective_rpc("nnsight_stats")
     lens(model, few[0])
     walls = [timed(lambda: lens(model, few[0])) for _ in range(10)]
     result(engine=name, job="lens", ms=round(1000 * statistics.median(walls[2:]), 2))
+    (after,) = llm.collective_rpc("nnsight_stats")
+    result(  # which path the lens took: served at the sampler (every layer tapped) or Python
+        engine=name,
+        job="lens_path",
+        served=after["lowered_by"].get("replay", 0) - before["lowered_by"].get("replay", 0),
+        python=after["python_blocks"] - before["python_blocks"],
+        uncompiled_steps=after["uncompiled_steps"] - before["uncompiled_steps"],
+    )
     walls = [timed(lambda: trace1(model, few[0])) for _ in range(12)]
     result(engine=name, job="trace1", ms=round(1000 * statistics.median(walls[2:]), 2))
     kept = sweep(model, fresh_prompts(SWEEP, 10))
@@ -573,8 +582,9 @@ def profile_engine(path: str, graphs: bool = False, taps: bool = False) -> None:
     Eager (``profile``): the sweep, ten one-token traces, and 64 steered requests
     x 32 tokens. Graphed (``profile-graphs``): the sweep, ten one-token traces and
     ten plain one-token calls beside them, and ten logit lenses. Tapped
-    (``profile-taps``, graphed, layer 18 tapped): the lowered capture of 1,000 x 128
-    and steering of 256 x 128, beside plain 1,000 x 128."""
+    (``profile-taps``, graphed, layer 18 tapped, or ``GPU_BENCH_TAPS``): the lowered
+    capture of 1,000 x 128 and steering of 256 x 128, beside plain 1,000 x 128, and
+    ten logit lenses beside ten one-token traces."""
     import cProfile
 
     from vllm import LLM, SamplingParams
@@ -602,6 +612,8 @@ def profile_engine(path: str, graphs: bool = False, taps: bool = False) -> None:
             "plain1000": lambda: llm.generate(unique(MANY), many, use_tqdm=False),
             "capture1000": lambda: capture(model, unique(MANY), TOKENS),
             "steer256": lambda: steer(model, unique(WIDE), TOKENS, vector),
+            "lens": lambda: [lens(model, few[0]) for _ in range(10)],
+            "trace1": lambda: [trace1(model, few[0]) for _ in range(10)],
         }
     elif graphs:
         jobs["plain1"] = lambda: [
