@@ -39,7 +39,8 @@ x 1 token, ``sweep`` the same in one trace, each invoke keeping one layer's last
 row (how activations are extracted for probes and SAEs), ``trace1`` one prompt,
 one token, saving the logits (latency), ``steer`` add a vector to one layer's
 output at every step (64 x 128), ``steer_docs`` the same as the user docs write it
-(the value named, a scale, a CPU vector moved with ``.to(hidden)``), ``steer_draws``
+(the value named, a scale, a CPU vector moved with ``.to(hidden)``), ``steer_spelled`` the same edit spelled otherwise (unpacked, named, subtracted),
+``steer_draws``
 the steering page's loop whole (that edit, ``tracer.all()``, each step's drawn
 token kept: split, the draws Python at the sampler), ``lens_steps`` the docs' logit
 lens at the tapped layer every step (served at the sampler on ``on-taps``, 64 x 128),
@@ -153,6 +154,20 @@ def steer_as_the_docs_write_it(model, batch, tokens, vector) -> None:
                 for _ in tracer.iter[:tokens]:
                     hidden = layer.output[0]
                     hidden[:] += 1.0 * vector.to(hidden)
+
+
+def steer_spelled_otherwise(model, batch, tokens, vector) -> None:
+    """The same edit spelled another way: the output unpacked, the vector named
+    first, subtracted (lowered by what it computes, ``taps/meaning.py``)."""
+    layer = model.model.layers[LAYER]
+    away = -vector
+    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+        for ids in batch:
+            with tracer.invoke(ids):
+                for _ in tracer.iter[:tokens]:
+                    hidden, residual = layer.output
+                    push = away.to(hidden)
+                    hidden -= push
 
 
 def steer_and_draw(model, batch, tokens, vector) -> None:
@@ -403,6 +418,13 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
         batch = unique(CONCURRENT)
         wall = timed(lambda batch=batch: steer_and_draw(model, batch, TOKENS, cpu_vector))
         result(engine=name, job="steer_draws", tok_s=round(CONCURRENT * TOKENS / wall, 1))
+    (before,) = llm.collective_rpc("nnsight_stats")
+    for _ in range(repeats):
+        batch = unique(CONCURRENT)
+        wall = timed(lambda batch=batch: steer_spelled_otherwise(model, batch, TOKENS, cpu_vector))
+        result(engine=name, job="steer_spelled", tok_s=round(CONCURRENT * TOKENS / wall, 1))
+    (after,) = llm.collective_rpc("nnsight_stats")
+    result(engine=name, job="steer_spelled_path", lowered=after["lowered"] - before["lowered"])
     if kind == "taps":
         (before,) = llm.collective_rpc("nnsight_stats")
         big = 100 * vector  # large enough to change greedy tokens

@@ -1315,3 +1315,16 @@ def test_a_keep_beside_the_samples_is_split_and_keeps_what_python_keeps(smollm2_
     assert lowered_count(smollm2_llm) - before == 1
     assert drawn == python_drawn and len(rows) == len(python_rows) == 4
     assert all(torch.equal(a, b) for a, b in zip(rows, python_rows))
+
+
+def test_the_store_by_default_takes_a_share_of_a_gpu_and_a_fixed_size_elsewhere(monkeypatch):
+    from vllm_nnsight_plugin.taps.kept import KEPT_BYTES_ENV, store_rows
+
+    monkeypatch.delenv(KEPT_BYTES_ENV, raising=False)
+    row = 4096 * 2  # a bf16 row of Qwen3-8B's width
+    h200 = 150_000_000_000
+    assert store_rows(row, cuda=True, device_bytes=h200) == int(h200 * 0.03) // row
+    assert store_rows(row, cuda=True, device_bytes=16 << 30) == (1 << 30) // row  # at least 1 GiB
+    assert store_rows(row, cuda=False, device_bytes=h200) == (128 << 20) // row
+    monkeypatch.setenv(KEPT_BYTES_ENV, str(64 << 20))
+    assert store_rows(row, cuda=True, device_bytes=h200) == (64 << 20) // row  # the operator's size wins

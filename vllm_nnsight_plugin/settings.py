@@ -202,7 +202,8 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "VLLM_NNSIGHT_KEPT_BYTES", _count(1), None, "bytes",
-        "the store lowered keeping blocks write their rows to (unset: 1 GiB on a GPU, 128 MiB on a CPU)",
+        "the store lowered keeping blocks write their rows to (unset: 3% of a GPU's memory, at least "
+        "1 GiB; 128 MiB on a CPU)",
     ),
     Setting(
         "VLLM_NNSIGHT_SHARED_SAVES_BYTES", _count(0), 16 << 20, "bytes",

@@ -9,8 +9,8 @@ every compiled and graphed step. It reads small per-row tables that the worker
 refills before each step; a row whose table entry is empty passes through
 unchanged.
 
-A request whose block is, exactly, one of the forms the tables can express (the
-steering loop of the user docs) is *lowered*: it gets table entries instead of a
+A request whose block computes one of the forms the tables can express (the
+steering loop of the user docs, however it is spelled) is *lowered*: it gets table entries instead of a
 Python block, and its steps stay in the graphs. Anything else runs as Python, as
 it would on an engine without taps.
 
@@ -18,5 +18,7 @@ it would on an engine without taps.
 - ``ops.py``: the operation (``torch.ops.vllm_nnsight.steer``);
 - ``install.py``: the worker's side: the operation put on each tapped module, the
   tables, and their per-step fill;
+- ``forms.py``: the shapes of block the tables run, read from a block's source;
+- ``meaning.py``: blocks spelled otherwise, rewritten as the form they compute;
 - ``lower.py``: which blocks are lowered, and to what.
 """

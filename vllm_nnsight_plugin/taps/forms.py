@@ -1,7 +1,8 @@
 """The shapes of block that the tap tables can run, read from a block's source alone.
 
-A block is lowered only when its whole source is one of these, statement for
-statement; anything else, down to one more statement, runs as Python:
+A block is lowered when its whole source is one of these, statement for
+statement, or computes one of them (``meaning.py`` rewrites it as the form);
+anything else, down to one more statement, runs as Python:
 
     for _ in tracer.iter[a:b]:          # steering (or tracer.all())
         <tap>.output[0][:] += <vector>
@@ -97,6 +98,9 @@ class Form:
     #: steering several layers: (the inner loop's name, the whole numbers it takes:
     #: a tuple of them, a ``range`` of them, or an Index naming a captured sequence)
     over: tuple[str, Any] | None = None
+    #: it unpacks the tap's output into two names (``meaning.py``): the tap's value
+    #: must always be exactly two
+    unpacks: bool = False
 
     @property
     def cache(self) -> bool:

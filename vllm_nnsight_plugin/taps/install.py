@@ -81,7 +81,8 @@ class TapTables:
         self.slots, self.codes, self.dest = (table[:, part].t() for part in range(3))
         ops.forget_seen(self.slots, self.codes)
         self.bank = torch.zeros((entries, hidden), dtype=torch.float32, device=self.device)
-        rows = store_size or store_rows(hidden * dtype.itemsize, cuda)
+        memory = torch.cuda.get_device_properties(self.device).total_memory if cuda else 0
+        rows = store_size or store_rows(hidden * dtype.itemsize, cuda, memory)
         self.store = torch.zeros((rows, hidden), dtype=dtype, device=self.device)
         self.regions = Regions(rows)
         self._staging = [table.cpu().pin_memory() if cuda else table.clone() for _ in range(2)]

@@ -9,8 +9,10 @@ destination table, filled before each step), so nothing runs after the forward
 and nothing per request per step runs in Python. When the request is collected
 its region is read in one copy, on the model's device as the Python path's
 saves are, and given back. The store's size is ``VLLM_NNSIGHT_KEPT_BYTES``
-(default 1 GiB on a GPU, 128 MiB on a CPU); a request that finds no room runs
-as Python.
+(default on a GPU 3% of its memory and at least 1 GiB: a lowered request that
+finds no room runs as Python, and a Python step leaves the graphs for the whole
+batch, so a store too small for the requests a GPU holds at once costs them all;
+128 MiB on a CPU).
 """
 
 from __future__ import annotations
@@ -26,9 +28,16 @@ from .ops import KEEP_BOTH
 KEPT_BYTES_ENV = "VLLM_NNSIGHT_KEPT_BYTES"
 
 
-def store_rows(row_bytes: int, cuda: bool) -> int:
-    """How many rows the store holds (row 0 takes the rows nobody keeps)."""
-    default = (1 << 30) if cuda else (128 << 20)
+#: The store's share of a GPU's memory by default (at least 1 GiB): on an H200
+#: 4.2 GiB, room for every layer's row of 64 requests of 128 tokens on a model
+#: of Qwen3-8B's shapes, or every row of 1,000 such requests at one layer.
+STORE_SHARE = 0.03
+
+
+def store_rows(row_bytes: int, cuda: bool, device_bytes: int = 0) -> int:
+    """How many rows the store holds (row 0 takes the rows nobody keeps);
+    ``device_bytes``: the GPU's memory."""
+    default = max(1 << 30, int(device_bytes * STORE_SHARE)) if cuda else (128 << 20)
     from ..settings import value
 
     return max(2, int(value(KEPT_BYTES_ENV) or default) // max(1, row_bytes))

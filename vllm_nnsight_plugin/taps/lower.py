@@ -48,6 +48,7 @@ import torch
 
 from .forms import Form, Index, block_form, outline
 from .kept import Lowered
+from .meaning import canonical
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ def lower(
     It depends on the block and the engine only, never on the request, so one
     result serves every request that carries the same block (see :func:`fits`).
     """
-    form = block_form(source) if source else None
+    form = read_form(source) if source else None
     if form is None:
         return _not_a_form(source, scope, model, tables)
     if form.tracer is not None and not isinstance(scope.get(form.tracer), tracer_type):
@@ -115,6 +116,8 @@ def lower(
         return _not_a_tap(path)
     if not tables.means(site, form.whole):
         return Unlowered("form", f"it reads `model.{path}.output` other than as the tap's value")
+    if form.unpacks and not {site, *also} <= tables.pair_sites:
+        return _UNPACKED
     lowered = Lowered(site, start, stop, form.result)
     if form.code:
         lowered.code, lowered.name = form.code, form.kept
@@ -125,6 +128,22 @@ def lower(
     lowered.select = form.select  # one row of each step, or None: every row
     vector = _vector(form, scope, tables.hidden, dtype, tables.device)
     return _VECTOR if vector is None else LoweredBlock(path, lowered, vector, also)
+
+
+_UNPACKED = Unlowered(
+    "form", "it unpacks a tap's output into two names, and that tap's value is not always exactly two"
+)
+
+
+def read_form(source: str) -> Form | None:
+    """The form a block is, as written or as :mod:`.meaning` rewrites it."""
+    form = block_form(source)
+    if form is None:
+        found = canonical(source)
+        form = None if found is None else block_form(found.source)
+        if form is not None and found.unpacks:
+            form = dataclasses.replace(form, unpacks=True)
+    return form
 
 
 def _layers(
