@@ -40,7 +40,9 @@ row (how activations are extracted for probes and SAEs), ``trace1`` one prompt,
 one token, saving the logits (latency), ``steer`` add a vector to one layer's
 output at every step (64 x 128), ``steer_docs`` the same as the user docs write it
 (the value named, a scale, a CPU vector moved with ``.to(hidden)``), ``steer_spelled`` the same edit spelled otherwise (unpacked, named, subtracted),
-``steer_draws``
+``remove`` and ``clamp`` a direction removed, or held at 0.5 or more, at every
+step with the steering page's helpers (64 x 128; ``project_check`` against
+Python), ``steer_draws``
 the steering page's loop whole (that edit, ``tracer.all()``, each step's drawn
 token kept: split, the draws Python at the sampler), ``lens_steps`` the docs' logit
 lens at the tapped layer every step (served at the sampler on ``on-taps``, 64 x 128),
@@ -168,6 +170,61 @@ def steer_spelled_otherwise(model, batch, tokens, vector) -> None:
                     hidden, residual = layer.output
                     push = away.to(hidden)
                     hidden -= push
+
+
+def remove(u):
+    """The steering page's helpers, as written there."""
+
+    def edit(hidden, residual):
+        u_ = u.to(hidden)
+        hidden[:] -= ((hidden + residual) @ u_)[:, None] * u_
+
+    return edit
+
+
+def clamp(u, least=None, most=None):
+    def edit(hidden, residual):
+        u_ = u.to(hidden)
+        coefficient = (hidden + residual) @ u_
+        hidden[:] -= (coefficient - coefficient.clamp(min=least, max=most))[:, None] * u_
+
+    return edit
+
+
+def project(model, batch, tokens, change) -> None:
+    """A direction removed (or clamped) at every step with the steering page's
+    helper, called on the layer's output as the page calls it."""
+    layer = model.model.layers[LAYER]
+    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+        for ids in batch:
+            with tracer.invoke(ids):
+                for _ in tracer.iter[:tokens]:
+                    change(layer.output[0], layer.output[1])
+
+
+def project_tokens(model, batch, tokens, change) -> list[list[int]]:
+    """:func:`project`'s block (lowered on a tapped engine); each request's tokens."""
+    layer = model.model.layers[LAYER]
+    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+        for ids in batch:
+            with tracer.invoke(ids):
+                for _ in tracer.iter[:tokens]:
+                    change(layer.output[0], layer.output[1])
+                out = tracer.result.save()
+    return [list(o.outputs[0].token_ids) for o in out]
+
+
+def project_tokens_python(model, batch, tokens, change) -> list[list[int]]:
+    """The same with a read of a module that is not a tap first: Python."""
+    layer = model.model.layers[LAYER]
+    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+        for ids in batch:
+            with tracer.invoke(ids):
+                for _ in tracer.iter[:tokens]:
+                    model.model.embed_tokens.output.clone()
+                    change(layer.output[0], layer.output[1])
+                out = tracer.result.save()
+    return [list(o.outputs[0].token_ids) for o in out]
 
 
 def steer_and_draw(model, batch, tokens, vector) -> None:
@@ -451,6 +508,39 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
             wide = unique(WIDE)
             wall = timed(lambda wide=wide: steer(model, wide, TOKENS, vector))
             result(engine=name, job="steer256", tok_s=round(WIDE * TOKENS / wall, 1))
+        u = vector / vector.norm()
+        for job, change in (("remove", remove(u)), ("clamp", clamp(u, least=0.5))):
+            (before,) = llm.collective_rpc("nnsight_stats")
+            project(model, few[:4], 8, change)  # warm-up
+            for _ in range(repeats):
+                batch = unique(CONCURRENT)
+                wall = timed(lambda batch=batch, change=change: project(model, batch, TOKENS, change))
+                result(engine=name, job=job, tok_s=round(CONCURRENT * TOKENS / wall, 1))
+            (after,) = llm.collective_rpc("nnsight_stats")
+            result(
+                engine=name,
+                job=f"{job}_path",
+                projected=after["lowered_by"].get("project", 0) - before["lowered_by"].get("project", 0),
+                python=after["python_blocks"] - before["python_blocks"],
+            )
+        strong = clamp(u, least=8.0)  # held high enough to change greedy tokens
+        lowered_ids = project_tokens(model, few[:8], 16, strong)
+        python_ids = project_tokens_python(model, few[:8], 16, strong)
+        plain_ids = [
+            list(o.outputs[0].token_ids)
+            for o in llm.generate(
+                few[:8],
+                SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False),
+                use_tqdm=False,
+            )
+        ]
+        result(
+            engine=name,
+            job="project_check",
+            same_tokens=sum(a == b for a, b in zip(lowered_ids, python_ids)),
+            edited=sum(a != b for a, b in zip(lowered_ids, plain_ids)),
+            of=len(lowered_ids),
+        )
         if every_layer_tapped():
             layers = layer_count(path)
             (before,) = llm.collective_rpc("nnsight_stats")

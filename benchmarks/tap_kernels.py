@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 
 import torch
@@ -53,17 +53,23 @@ def tables(rows: int, busy: bool):
     return table, bank, store
 
 
+@cache
+def how() -> torch.Tensor:
+    """Every entry an addition (``ops.steer``'s ``how``)."""
+    return torch.zeros((ENTRIES, 4), device="cuda")
+
+
 def tensor_ops(ops, hidden, residual, table, bank, store):
     slots, codes, dest = (table[:, part].t() for part in range(3))
     for site in range(SITES):
-        hidden = ops.steer(hidden, slots, bank, site)
+        hidden = ops.steer(hidden, residual, slots, bank, how(), site)
         ops.keep(hidden, residual, codes, dest, store, site)
     return hidden
 
 
 def kernel(ops, hidden, residual, table, bank, store):
     for site in range(SITES):
-        hidden = ops.tap(hidden, residual, table, bank, store, site, 1)
+        hidden = ops.tap(hidden, residual, table, bank, how(), store, site, 1)
     return hidden
 
 

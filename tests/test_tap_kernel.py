@@ -19,28 +19,24 @@ CHECK = r"""
 import sys
 import torch
 from vllm_nnsight_plugin.taps import ops
-from tests.gpu.test_gpu_kernel import busy_tables
+from tests.gpu.test_gpu_kernel import busy_tables, check_against_the_tensor_operations, projected_rows
 
 assert ops._kernel() is not None
 dtype = getattr(torch, sys.argv[1])
 for width in (576, 100):
     generator = torch.Generator().manual_seed(width)
     rows, sites = 37, 3
-    table, bank = busy_tables(rows, width, sites, generator, device="cpu")
-    slots, codes, dest = (table[:, part].t() for part in range(3))
-    for site in range(sites):
-        hidden = torch.randn((rows, width), generator=generator).to(dtype)
-        residual = torch.randn((rows, width), generator=generator).to(dtype)
-        for keeps in (0, 1, 2):
-            store = torch.zeros((2 * sites * rows + 4, width), dtype=dtype)
-            want_store = store.clone()
-            want = ops.steer(hidden, slots, bank, site)
-            if keeps:
-                ops.keep(want, want if keeps == 2 else residual, codes, dest, want_store, site)
-            got = ops.launch(ops._kernel(), hidden, residual, table, bank, store, site, keeps)
-            assert torch.equal(got, want), (width, site, keeps)
-            assert torch.equal(store[1:], want_store[1:]), (width, site, keeps)
-        assert not torch.equal(got, hidden)  # some rows were steered
+    table, bank, how = busy_tables(rows, width, sites, generator, device="cpu")
+    for edits in (torch.zeros_like(how), how):  # additions only, then directions too
+        for site in range(sites):
+            hidden = torch.randn((rows, width), generator=generator).to(dtype)
+            residual = torch.randn((rows, width), generator=generator).to(dtype)
+
+            def launch(keeps, store):
+                return ops.launch(ops._kernel(), hidden, residual, table, bank, edits, store, site, keeps)
+
+            check_against_the_tensor_operations(hidden, residual, table, bank, edits, site, dtype, launch)
+    assert bool(projected_rows(table, how, 0, rows).any())
 print("same")
 """
 

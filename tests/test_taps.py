@@ -520,7 +520,7 @@ def test_the_tables_point_each_steps_rows_at_their_requests():
     want[1, 1] = -1
     assert torch.equal(tables.slots, want)
     hidden = torch.arange(8.0).reshape(2, 4)
-    out = torch.ops.vllm_nnsight.steer(hidden, tables.slots, tables.bank, 0)
+    out = torch.ops.vllm_nnsight.steer(hidden, hidden, tables.slots, tables.bank, tables.how, 0)
     assert torch.equal(out, torch.stack([hidden[0] + 2.0, hidden[1]]))
     assert tables.forget("a")[1] == 3 and tables.forget("b")[1] == 3  # forwards each was in
     tables.fill(["plain"], bounds([0], [1]))
@@ -545,7 +545,7 @@ def test_a_steer_of_one_row_points_only_that_row_of_each_step_at_its_vector():
     want[0, :3] = torch.tensor([first.entry, last.entry, tables.requests["all"].entry])
     assert torch.equal(tables.slots, want)
     hidden = torch.zeros(3, 4)
-    out = torch.ops.vllm_nnsight.steer(hidden, tables.slots, tables.bank, 0)
+    out = torch.ops.vllm_nnsight.steer(hidden, hidden, tables.slots, tables.bank, tables.how, 0)
     assert torch.equal(out, torch.tensor([[2.0] * 4, [1.0] * 4, [3.0] * 4]))
 
 
@@ -595,7 +595,9 @@ def test_a_request_steering_several_layers_takes_an_entry_at_each():
     want = torch.full((3, 16), -1, dtype=torch.int32)
     want[0, 0:3], want[2, 0:3], want[1, 3:5] = entry, extra, tables.requests["one"].entry
     assert torch.equal(tables.slots, want)
-    out = torch.ops.vllm_nnsight.steer(torch.zeros(5, 4), tables.slots, tables.bank, 2)
+    out = torch.ops.vllm_nnsight.steer(
+        torch.zeros(5, 4), torch.zeros(5, 4), tables.slots, tables.bank, tables.how, 2
+    )
     assert torch.equal(out, torch.tensor([[1.0] * 4] * 3 + [[0.0] * 4] * 2))
     assert tables.steps("several") == 1
     assert tables.forget("several")[1] == 1 and len(tables.free) == 3  # both entries back

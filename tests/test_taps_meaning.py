@@ -14,7 +14,7 @@ from vllm import SamplingParams
 from tests.test_taps import PROMPT, same_generation
 from vllm_nnsight_plugin.taps.forms import block_form
 from vllm_nnsight_plugin.taps.lower import read_form
-from vllm_nnsight_plugin.taps.meaning import VALUE, canonical
+from vllm_nnsight_plugin.taps.meaning import VALUE, canonical, inlined
 
 
 @pytest.mark.parametrize(
@@ -216,3 +216,213 @@ def test_blocks_spelled_otherwise_are_lowered_and_equal_the_python_path_bit_for_
     assert len(kept) == len(kept_python) == 8
     for a, b in zip(kept, kept_python, strict=True):
         assert a.shape == b.shape == (576,) and torch.equal(a.cpu(), b.cpu())
+
+
+# ---------------------------------------------------------------- directions
+@pytest.mark.parametrize(
+    ("source", "project"),
+    [
+        # the steering page's removal, inline
+        (
+            "hidden, residual = layer.output\nu_ = u.to(hidden)\n"
+            "hidden[:] -= ((hidden + residual) @ u_)[:, None] * u_\n",
+            (True, None, None, False),
+        ),
+        # its clamp, every step, bounds captured
+        (
+            "for _ in tracer.iter[:3]:\n    hidden, residual = layer.output\n    u_ = u.to(hidden)\n"
+            "    coefficient = (hidden + residual) @ u_\n"
+            "    hidden[:] -= (coefficient - coefficient.clamp(min=least, max=most))[:, None] * u_\n",
+            (True, "least", "most", True),
+        ),
+        # the value alone, and a tensor's tap with one number as the bound
+        ("for _ in tracer.all():\n    hidden = layer.output[0]\n    hidden -= (hidden @ u)[:, None] * u\n",
+         (False, None, None, False)),
+        ("for _ in tracer.all():\n    h = layer.mlp.output\n    c = h @ u\n    h[:] -= (c - c.clamp(2.0))[:, None] * u\n",
+         (False, "2.0", None, True)),
+    ],
+)  # fmt: skip
+def test_a_direction_removed_or_clamped_is_read_as_such(source, project):
+    form = read_form(source)
+    assert form is not None and form.project is not None
+    stream, low, high, clamped = form.project
+    written = tuple(None if b is None else ast.unparse(b) for b in (low, high))
+    assert (stream, *written, clamped) == project
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        # measured on one vector, removed along another; from one row; added back
+        "for _ in tracer.all():\n    hidden = layer.output[0]\n    hidden -= (hidden @ u)[:, None] * w\n",
+        "for _ in tracer.all():\n    hidden = layer.output[0]\n    hidden[-1] -= (hidden @ u)[:, None] * u\n",
+        "for _ in tracer.all():\n    hidden, residual = layer.output\n    hidden += ((hidden + residual) @ u)[:, None] * u\n",
+        # clamped against another coefficient; a bound the block computes; no column
+        "for _ in tracer.all():\n    hidden, residual = layer.output\n    c = (hidden + residual) @ u\n"
+        "    d = hidden @ u\n    hidden -= (c - d.clamp(min=1.0))[:, None] * u\n",
+        "for _ in tracer.all():\n    hidden = layer.output[0]\n    b = 2 * k\n    c = hidden @ u\n"
+        "    hidden -= (c - c.clamp(min=b))[:, None] * u\n",
+        "for _ in tracer.all():\n    hidden = layer.output[0]\n    hidden -= (hidden @ u) * u\n",
+        # measured on the residual alone, or on another layer
+        "for _ in tracer.all():\n    hidden, residual = layer.output\n    hidden -= (residual @ u)[:, None] * u\n",
+        "for _ in tracer.all():\n    hidden = layer.output[0]\n    hidden -= (other.output[0] @ u)[:, None] * u\n",
+    ],
+)
+def test_other_arithmetic_on_a_direction_runs_as_python(source):
+    assert read_form(source) is None, canonical(source)
+
+
+def remove(u):
+    def edit(hidden, residual):
+        u_ = u.to(hidden)
+        hidden[:] -= ((hidden + residual) @ u_)[:, None] * u_
+
+    return edit
+
+
+def clamp(u, least=None, most=None):
+    def edit(hidden, residual):
+        u_ = u.to(hidden)
+        coefficient = (hidden + residual) @ u_
+        hidden[:] -= (coefficient - coefficient.clamp(min=least, max=most))[:, None] * u_
+
+    return edit
+
+
+def test_a_function_called_on_the_tap_is_read_by_its_body():
+    """The steering page's helpers: their bodies in the block, their names renamed
+    apart, the values they capture handed to the scope."""
+    u = torch.randn(8)
+    for change in (remove(u), clamp(u, least=2.0)):
+        source, scope = inlined("change(layer.output[0], layer.output[1])\n", {"change": change})
+        form = read_form(source)
+        assert form is not None and form.project is not None and form.project[0]
+        assert any(value is u for value in scope.values())
+        if change.__code__.co_freevars == ("least", "most", "u"):
+            assert scope[ast.unparse(form.project[1])] == 2.0 and scope[ast.unparse(form.project[2])] is None
+
+    def writes_elsewhere(hidden, residual):
+        global leaked
+        leaked = hidden
+
+    def returns(hidden, residual):
+        return hidden
+
+    for function in (writes_elsewhere, returns, lambda hidden, residual: None, print):
+        assert inlined("change(layer.output[0], layer.output[1])\n", {"change": function}) is None
+
+
+def test_a_direction_removed_on_the_tensor_operations_is_what_the_block_computes_bit_for_bit():
+    """``ops.steer`` on a step of three requests (a removal, a clamp, a plain one)
+    against each request's rows run through the block's own expression: the same
+    product on the same rows, so the same bits, in float32 and bfloat16."""
+    from vllm_nnsight_plugin.taps import ops
+
+    generator = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        hidden = torch.randn(9, 64, generator=generator).to(dtype)
+        residual = torch.randn(9, 64, generator=generator).to(dtype)
+        u = torch.randn(64, generator=generator)
+        u = (u / u.norm()).to(dtype)
+        bank = torch.zeros(4, 64)
+        bank[1] = bank[2] = u.float()
+        how = torch.zeros(4, 4)
+        how[1, :3] = torch.tensor([2.0, 0.0, 0.0])  # removed from the stream
+        least = torch.tensor(0.3, dtype=dtype).item()  # as clamp rounds it
+        how[2, :3] = torch.tensor([2.0, least, float("inf")])  # held at 0.3 or more
+        slots = torch.full((1, 12), -1, dtype=torch.int32)
+        slots[0, :4], slots[0, 4:7] = 1, 2  # rows 7 and 8: nobody's
+        got = ops.steer(hidden, residual, slots, bank, how, 0)
+
+        def removed(h, r, u=u):
+            h = h.clone()
+            h[:] -= ((h + r) @ u)[:, None] * u
+            return h
+
+        def clamped(h, r, u=u):
+            h = h.clone()
+            c = (h + r) @ u
+            h[:] -= (c - c.clamp(min=0.3))[:, None] * u
+            return h
+
+        assert torch.equal(got[:4], removed(hidden[:4], residual[:4])), dtype
+        assert torch.equal(got[4:7], clamped(hidden[4:7], residual[4:7])), dtype
+        assert torch.equal(got[7:], hidden[7:])
+        assert float(((got[:4] + residual[:4]).float() @ u.float()).abs().max()) < 0.05  # it is gone
+
+
+def remove_and_clamp(model, u):
+    """The steering page's helpers, one invoke each, then the clamp written inline."""
+    with model.trace(temperature=0.0, max_tokens=4, logprobs=3) as tracer:
+        for change in (remove(u), clamp(u, least=0.5)):
+            with tracer.invoke(PROMPT):
+                for _ in tracer.iter[:4]:
+                    change(model.model.layers[10].output[0], model.model.layers[10].output[1])
+                out = tracer.result.save()
+        with tracer.invoke(PROMPT):
+            for _ in tracer.iter[:4]:
+                hidden, residual = model.model.layers[20].output
+                coefficient = (hidden + residual) @ u
+                hidden[:] -= (coefficient - coefficient.clamp(max=-1.0))[:, None] * u
+            out = tracer.result.save()
+    return out
+
+
+def remove_and_clamp_python(model, u):
+    with model.trace(temperature=0.0, max_tokens=4, logprobs=3) as tracer:
+        for change in (remove(u), clamp(u, least=0.5)):
+            with tracer.invoke(PROMPT):
+                for _ in tracer.iter[:4]:
+                    model.model.embed_tokens.output.clone()  # no tap: the block runs as Python
+                    change(model.model.layers[10].output[0], model.model.layers[10].output[1])
+                out = tracer.result.save()
+        with tracer.invoke(PROMPT):
+            for _ in tracer.iter[:4]:
+                model.model.embed_tokens.output.clone()
+                hidden, residual = model.model.layers[20].output
+                coefficient = (hidden + residual) @ u
+                hidden[:] -= (coefficient - coefficient.clamp(max=-1.0))[:, None] * u
+            out = tracer.result.save()
+    return out
+
+
+def removed_alone(model, u):
+    change = remove(u)
+    with model.trace(PROMPT, temperature=0.0, max_tokens=4, logprobs=3) as tracer:
+        for _ in tracer.iter[:4]:
+            change(model.model.layers[10].output[0], model.model.layers[10].output[1])
+        out = tracer.result.save()
+    return out
+
+
+def removed_alone_python(model, u):
+    change = remove(u)
+    with model.trace(PROMPT, temperature=0.0, max_tokens=4, logprobs=3) as tracer:
+        for _ in tracer.iter[:4]:
+            model.model.embed_tokens.output.clone()  # no tap: the block runs as Python
+            change(model.model.layers[10].output[0], model.model.layers[10].output[1])
+        out = tracer.result.save()
+    return out
+
+
+def test_a_direction_removed_or_clamped_is_lowered_and_equals_the_python_path_bit_for_bit(smollm2_llm, smol):
+    torch.manual_seed(5)
+    u = torch.randn(576)
+    u = u / u.norm()
+    (before,) = smollm2_llm.collective_rpc("nnsight_stats")
+    lowered = remove_and_clamp(smol, u)
+    (middle,) = smollm2_llm.collective_rpc("nnsight_stats")
+    python = remove_and_clamp_python(smol, u)
+    (after,) = smollm2_llm.collective_rpc("nnsight_stats")
+    assert middle["lowered_by"]["project"] - before["lowered_by"]["project"] == 3
+    assert [o.nnsight_path["form"] for o in lowered] == ["project"] * 3
+    assert after["lowered"] == middle["lowered"]
+    same_generation(lowered, python, exact=False)  # three requests of one trace: batched as vLLM likes
+    alone, alone_python = removed_alone(smol, u), removed_alone_python(smol, u)
+    assert alone.nnsight_path["form"] == "project" and not alone_python.nnsight_path["lowered"]
+    same_generation([alone], [alone_python])  # traced alone: bit for bit
+    plain = smollm2_llm.generate(
+        [PROMPT], SamplingParams(temperature=0.0, max_tokens=4, logprobs=3), use_tqdm=False
+    )
+    first = {t: p.logprob for t, p in plain[0].outputs[0].logprobs[1].items()}
+    assert first != {t: p.logprob for t, p in lowered[0].outputs[0].logprobs[1].items()}  # it edited

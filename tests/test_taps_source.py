@@ -124,7 +124,7 @@ def test_a_block_is_lowered_only_where_it_reads_the_tap_as_its_value_is():
     assert not tables.means(2, True)  # another width: Python
     assert not tables.means(3, True) and not tables.means(3, False)  # (hidden, None): a tuple, no pair
     wide = torch.randn(3, 6)
-    assert torch.equal(ops.steer(wide, tables.slots, tables.bank, 2), wide)
+    assert torch.equal(ops.steer(wide, wide, tables.slots, tables.bank, tables.how, 2), wide)
     ops.forget_seen(tables.slots, tables.codes)  # what new tables at this address do first
     assert not tables.means(1, True)
 

@@ -101,6 +101,9 @@ class Form:
     #: it unpacks the tap's output into two names (``meaning.py``): the tap's value
     #: must always be exactly two
     unpacks: bool = False
+    #: the vector is a direction removed or clamped, not added (``meaning.py``):
+    #: (reads the stream, lower bound, upper bound as written, clamped)
+    project: tuple | None = None
 
     @property
     def cache(self) -> bool:

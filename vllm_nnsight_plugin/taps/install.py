@@ -81,6 +81,8 @@ class TapTables:
         self.slots, self.codes, self.dest = (table[:, part].t() for part in range(3))
         ops.forget_seen(self.slots, self.codes)
         self.bank = torch.zeros((entries, hidden), dtype=torch.float32, device=self.device)
+        #: per entry: which edit its bank row makes, and the edit's bounds (``ops.steer``)
+        self.how = torch.zeros((entries, 4), dtype=torch.float32, device=self.device)
         memory = torch.cuda.get_device_properties(self.device).total_memory if cuda else 0
         rows = store_size or store_rows(hidden * dtype.itemsize, cuda, memory)
         self.store = torch.zeros((rows, hidden), dtype=dtype, device=self.device)
@@ -136,6 +138,7 @@ class TapTables:
         vector: torch.Tensor | None = None,
         room: int = 0,
         also: tuple[int, ...] = (),
+        how: tuple[float, float, float] = (0.0, 0.0, 0.0),
     ) -> bool:
         """Put a request on the tables; False when there is no room (it runs as Python).
 
@@ -161,6 +164,7 @@ class TapTables:
         entry = lowered.entry = self.free.pop()
         if vector is not None:
             self.bank[entry].copy_(vector.detach().reshape(-1).to(torch.float32))
+            self.how[entry, :3] = torch.tensor(how, dtype=torch.float32)
         self._kind[entry] = 1 if lowered.code else 0
         self._site[entry] = lowered.site
         self._value[entry] = lowered.code or entry
@@ -185,6 +189,7 @@ class TapTables:
                 else:
                     self._value[extra] = extra
                     self.bank[extra].copy_(self.bank[entry])
+                    self.how[extra].copy_(self.how[entry])
                 self._lowered[extra] = lowered
         return True
 
@@ -467,20 +472,26 @@ def _apply(tables: TapTables, site: int, out: Any) -> Any:
     (whose second value, where it is a tensor, is kept beside it)."""
     paired = isinstance(out, tuple) and len(out) >= 2 and isinstance(out[1], torch.Tensor)
     if tables.one_op:
-        tap = torch.ops.vllm_nnsight.tap
+        tap, table, bank, how, store = (
+            torch.ops.vllm_nnsight.tap,
+            tables.table,
+            tables.bank,
+            tables.how,
+            tables.store,
+        )
         if paired:
-            return (tap(out[0], out[1], tables.table, tables.bank, tables.store, site, 1), *out[1:])
+            return (tap(out[0], out[1], table, bank, how, store, site, 1), *out[1:])
         if isinstance(out, tuple):
-            return (tap(out[0], out[0], tables.table, tables.bank, tables.store, site, 0), *out[1:])
-        return tap(out, out, tables.table, tables.bank, tables.store, site, 2)
+            return (tap(out[0], out[0], table, bank, how, store, site, 0), *out[1:])
+        return tap(out, out, table, bank, how, store, site, 2)
     steer, keep = torch.ops.vllm_nnsight.steer, torch.ops.vllm_nnsight.keep
     if paired:
-        hidden = steer(out[0], tables.slots, tables.bank, site)
+        hidden = steer(out[0], out[1], tables.slots, tables.bank, tables.how, site)
         keep(hidden, out[1], tables.codes, tables.dest, tables.store, site)
         return (hidden, *out[1:])
     if isinstance(out, tuple):
-        return (steer(out[0], tables.slots, tables.bank, site), *out[1:])
-    hidden = steer(out, tables.slots, tables.bank, site)
+        return (steer(out[0], out[0], tables.slots, tables.bank, tables.how, site), *out[1:])
+    hidden = steer(out, out, tables.slots, tables.bank, tables.how, site)
     keep(hidden, hidden, tables.codes, tables.dest, tables.store, site)
     return hidden
 

@@ -38,6 +38,7 @@ finished output is saved under ``out`` if the request lived through step
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import inspect
 import types
@@ -48,7 +49,7 @@ import torch
 
 from .forms import Form, Index, block_form, outline
 from .kept import Lowered
-from .meaning import canonical
+from .meaning import canonical, inlined
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,17 @@ class LoweredBlock:
     #: several layers: the other taps the vector is added at, or whose rows are
     #: kept, in model order
     also: tuple[int, ...] = ()
+    #: what the bank makes of the vector (``ops.steer``'s ``how``): (0, 0, 0) added;
+    #: (1 or 2, lower, upper) a direction removed or clamped
+    how: tuple[float, float, float] = (0.0, 0.0, 0.0)
+
+    @property
+    def form(self) -> str:
+        """The form's name in ``nnsight_stats`` and on the output."""
+        code, lowered = self.lowered.code, self.lowered
+        if not code:
+            return "project" if self.how[0] else "steer"
+        return "read" if lowered.single else "cache" if lowered.cache else "keep"
 
 
 @dataclass(frozen=True)
@@ -93,6 +105,11 @@ def lower(
     result serves every request that carries the same block (see :func:`fits`).
     """
     form = read_form(source) if source else None
+    if form is None and source:  # a function of the user's called on the tap: its body
+        found = inlined(source, scope)
+        form = None if found is None else read_form(found[0])
+        if form is not None:
+            scope = found[1]
     if form is None:
         return _not_a_form(source, scope, model, tables)
     if form.tracer is not None and not isinstance(scope.get(form.tracer), tracer_type):
@@ -127,7 +144,44 @@ def lower(
         return LoweredBlock(path, lowered, None, also)
     lowered.select = form.select  # one row of each step, or None: every row
     vector = _vector(form, scope, tables.hidden, dtype, tables.device)
-    return _VECTOR if vector is None else LoweredBlock(path, lowered, vector, also)
+    if vector is None:
+        return _VECTOR
+    if form.project is None:
+        return LoweredBlock(path, lowered, vector, also)
+    how = _projection(form, scope, vector, dtype)
+    return how if isinstance(how, Unlowered) else LoweredBlock(path, lowered, vector, also, how)
+
+
+_DIRECTION = Unlowered(
+    "vector",
+    "the direction it removes or clamps is not one tensor of the tap's width in the model's dtype, "
+    "or its bounds are not numbers",
+)
+
+
+def _projection(
+    form: Form, scope: dict[str, Any], vector: torch.Tensor, dtype: torch.dtype
+) -> tuple[float, float, float] | Unlowered:
+    """``ops.steer``'s ``how`` for a direction removed or clamped: the direction as
+    the block's matrix product takes it (``[width]``, in the model's dtype: another
+    dtype, Python raises), and the bounds as ``clamp`` rounds them to that dtype
+    (a bound of None: none; both None: the block raises, so not lowered)."""
+    stream, low, high, clamped = form.project
+    if vector.dim() != 1 or vector.dtype != dtype:
+        return _DIRECTION
+    if not clamped:
+        return (2.0 if stream else 1.0, 0.0, 0.0)  # c - clamp(c, 0, 0) is c: removed
+    bounds = []
+    for bound, none in ((low, -float("inf")), (high, float("inf"))):
+        value = None
+        if bound is not None:
+            value = scope.get(bound.id, _MISSING) if isinstance(bound, ast.Name) else ast.literal_eval(bound)
+            if value is not None and type(value) not in (int, float):
+                return _DIRECTION
+        bounds.append(none if value is None else torch.tensor(value, dtype=dtype).item())
+    if bounds == [-float("inf"), float("inf")]:
+        return _DIRECTION  # ``clamp()`` of no bound raises
+    return (2.0 if stream else 1.0, *bounds)
 
 
 _UNPACKED = Unlowered(
@@ -141,8 +195,8 @@ def read_form(source: str) -> Form | None:
     if form is None:
         found = canonical(source)
         form = None if found is None else block_form(found.source)
-        if form is not None and found.unpacks:
-            form = dataclasses.replace(form, unpacks=True)
+        if form is not None:
+            form = dataclasses.replace(form, unpacks=found.unpacks, project=found.project)
     return form
 
 

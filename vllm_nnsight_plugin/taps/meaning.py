@@ -31,9 +31,14 @@ same, but it is how a block is written to run as Python on purpose.
 from __future__ import annotations
 
 import ast
+import builtins
 import copy
 import functools
+import inspect
+import textwrap
+import types
 from dataclasses import dataclass
+from typing import Any
 
 from .forms import _is_empty_list_saved, _module_path, _result_save, _steps
 
@@ -50,6 +55,11 @@ class Canonical:
     #: it unpacks a tap's output into two names: the tap's value must always be
     #: exactly two (``TapTables.pair_sites``)
     unpacks: bool
+    #: it removes or clamps a direction rather than adding it (the source adds
+    #: the direction, for ``forms`` to read the loop, the tap and the vector):
+    #: (whether it reads the stream, the lower and upper bound as written, or
+    #: None for none; both None and not clamped: removed)
+    project: tuple[bool, ast.expr | None, ast.expr | None, bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -64,6 +74,25 @@ class _Tap:
         if self.part is None:
             return output
         return ast.Subscript(value=output, slice=ast.Constant(self.part), ctx=ast.Load())
+
+
+@dataclass(frozen=True)
+class _Coefficient:
+    """``s @ u``: ``read`` the value measured (``stream``: plus the residual)."""
+
+    read: _Tap
+    stream: bool
+    u: ast.expr
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, _Coefficient)
+            and _alike(self.read, other.read)
+            and self.stream == other.stream
+            and ast.dump(self.u) == ast.dump(other.u)
+        )
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 class _Unfollowed(Exception):
@@ -88,10 +117,10 @@ def canonical(source: str) -> Canonical | None:
         return None
     if rewritten is None:
         return None
-    statements, unpacks = rewritten
+    statements, unpacks, project = rewritten
     module = ast.Module(body=[*statements, *tail], type_ignores=[])
     ast.fix_missing_locations(module)
-    return Canonical(ast.unparse(module) + "\n", unpacks)
+    return Canonical(ast.unparse(module) + "\n", unpacks, project)
 
 
 class _Rewrite:
@@ -105,6 +134,8 @@ class _Rewrite:
         self.vectors: dict[str, tuple[ast.expr, tuple[_Tap, ...]]] = {}
         self.used: set[str] = set()  # vectors the effect reads
         self._moved_to: list[_Tap] = []
+        self.coefficients: dict[str, _Coefficient] = {}  # names bound to ``s @ u``
+        self.project: tuple[bool, ast.expr | None, ast.expr | None, bool] | None = None
         self.lists: set[str] = set()  # ``rows = list().save()``
         self.bound: set[str] = set()
         self.unpacks = False
@@ -113,7 +144,7 @@ class _Rewrite:
         #: which may then be bound any number of times
         self.discard = None if any(_reads_name(s, "_") for s in body) else "_"
 
-    def block(self) -> tuple[list[ast.stmt], bool] | None:
+    def block(self) -> tuple[list[ast.stmt], bool, tuple | None] | None:
         loops = [s for s in self.body if isinstance(s, ast.For)]
         if len(loops) > 1:
             return None
@@ -129,9 +160,9 @@ class _Rewrite:
                 return None  # a tap read outside the loop is the first step's, not each step's
             else:
                 self._in_step(statement, out)
-        if self.effect is None or set(self.vectors) - self.used:
-            return None  # no effect, or a vector it never uses (whose arithmetic may raise)
-        return out, self.unpacks
+        if self.effect is None or set(self.vectors) - self.used or set(self.coefficients) - self.used:
+            return None  # no effect, or a value it never uses (whose arithmetic may raise)
+        return out, self.unpacks, self.project
 
     # ------------------------------------------------------------ statements
     def _step_loop(self, loop: ast.For) -> ast.For:
@@ -161,7 +192,7 @@ class _Rewrite:
         """A statement of a step: naming a tap's value, naming a vector, or the effect."""
         if self.effect is not None:
             raise _Unfollowed  # the effect comes last
-        if self._names_tap(statement) or self._binds_vector(statement):
+        if self._names_tap(statement) or self._binds_coefficient(statement) or self._binds_vector(statement):
             return
         effect = self._edit(statement) or self._keep(statement) or self._first_read(statement)
         if effect is None:
@@ -250,7 +281,13 @@ class _Rewrite:
             return None
         if tap is None or tap.part == 1:
             return None
-        vector = self._vector(value, tap)
+        projected = self._projection(value, tap) if negate else None
+        if projected is not None:
+            if select is not None and not _is_full_slice(select):
+                return None  # a direction removed from some rows: Python
+            vector, select, negate = projected, None, False
+        else:
+            vector = self._vector(value, tap)
         if negate:
             vector = ast.UnaryOp(op=ast.USub(), operand=vector)
         name = ast.Name(id=VALUE, ctx=ast.Store())
@@ -300,6 +337,92 @@ class _Rewrite:
         return [
             ast.Assign(targets=[ast.Name(id=name, ctx=ast.Store())], value=saved, lineno=statement.lineno)
         ]
+
+    def _binds_coefficient(self, statement: ast.stmt) -> bool:
+        """``c = (hidden + residual) @ u`` (or ``hidden @ u``): a direction's
+        coefficient, for the statement that removes or clamps it."""
+        name = _assigned_name(statement)
+        if name is None:
+            return False
+        try:
+            coefficient = self._coefficient(statement.value)
+        except _Unfollowed:
+            return False
+        if coefficient is None:
+            return False
+        self._bind(name)
+        self.coefficients[name] = coefficient
+        return True
+
+    def _coefficient(self, node: ast.expr) -> _Coefficient | None:
+        """``s @ u`` with ``s`` a tap's value or its stream (``hidden + residual``),
+        ``u`` a vector; or a name bound to one."""
+        if isinstance(node, ast.Name) and node.id in self.coefficients:
+            self.used.add(node.id)
+            return self.coefficients[node.id]
+        if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult)):
+            return None
+        read, stream = self._tap(node.left), False
+        if read is None and isinstance(node.left, ast.BinOp) and isinstance(node.left.op, ast.Add):
+            parts = (self._tap(node.left.left), self._tap(node.left.right))
+            if (
+                None in parts
+                or {p.part for p in parts} != {0, 1}
+                or not _alike(_Tap(parts[0].module, 0), _Tap(parts[1].module, 0))
+            ):
+                return None
+            read, stream = _Tap(parts[0].module, 0), True
+        if read is None or read.part == 1:
+            return None
+        return _Coefficient(read, stream, self._vector(node.right, read))
+
+    def _projection(self, value: ast.expr, edited: _Tap) -> ast.expr | None:
+        """``hidden -= <value>`` removing or clamping a direction: ``value`` is
+        ``c[:, None] * u`` or ``(c - c.clamp(min=a, max=b))[:, None] * u`` with ``c``
+        the coefficient of the same ``u`` on the edited value (or its stream).
+        Returns ``u`` (and notes the projection); None where it is not one."""
+        if not (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Mult)):
+            return None
+        for column, direction in ((value.left, value.right), (value.right, value.left)):
+            if not _is_column(column):
+                continue
+            found = self._held(column.value)
+            if found is None:
+                return None
+            coefficient, bounds = found
+            if any(isinstance(b, ast.Name) and b.id in self.bound for b in bounds[:2]):
+                return None  # a bound the block computes: not read at admission
+            if not _alike(coefficient.read, edited):
+                return None  # read at one value, removed from another
+            u = self._vector(direction, edited)
+            if ast.dump(u) != ast.dump(coefficient.u):
+                return None  # removed along another vector than it was measured on
+            self.project = (coefficient.stream, *bounds)
+            return u
+        return None
+
+    def _held(self, node: ast.expr) -> tuple[_Coefficient, tuple] | None:
+        """``c`` -> (c, removed), or ``c - c.clamp(...)`` -> (c, its bounds)."""
+        try:
+            coefficient = self._coefficient(node)
+        except _Unfollowed:
+            return None
+        if coefficient is not None:
+            return coefficient, (None, None, False)
+        if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub)):
+            return None
+        call = node.right
+        if not (
+            isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "clamp"
+        ):
+            return None
+        first, second = self._coefficient(node.left), self._coefficient(call.func.value)
+        if first is None or first != second:
+            return None
+        bounds = _bounds(call)
+        if bounds is None:
+            return None
+        return first, (*bounds, True)
 
     # ------------------------------------------------------------ values
     def _tap(self, node: ast.expr) -> _Tap | None:
@@ -400,6 +523,48 @@ def _alike(one: _Tap, other: _Tap) -> bool:
     return one.part == other.part and ast.dump(one.module) == ast.dump(other.module)
 
 
+def _is_column(node: ast.expr) -> bool:
+    """``x[:, None]``."""
+    return (
+        isinstance(node, ast.Subscript)
+        and isinstance(node.slice, ast.Tuple)
+        and len(node.slice.elts) == 2
+        and _is_full_slice_part(node.slice.elts[0])
+        and isinstance(node.slice.elts[1], ast.Constant)
+        and node.slice.elts[1].value is None
+    )
+
+
+def _is_full_slice_part(node: ast.expr) -> bool:
+    return isinstance(node, ast.Slice) and node.lower is None and node.upper is None and node.step is None
+
+
+def _is_full_slice(node: ast.expr) -> bool:
+    return _is_full_slice_part(node)
+
+
+def _bounds(call: ast.Call) -> tuple[ast.expr | None, ast.expr | None] | None:
+    """``clamp(min=a, max=b)``, ``clamp(a, b)`` or ``clamp(a)`` -> (a, b); each a
+    number or a captured name (read at admission)."""
+    if len(call.args) > 2:
+        return None
+    given: dict[str, ast.expr] = dict(zip(("min", "max"), call.args))
+    for keyword in call.keywords:
+        if keyword.arg not in ("min", "max") or keyword.arg in given:
+            return None
+        given[keyword.arg] = keyword.value
+    bounds = (given.get("min"), given.get("max"))
+    for bound in bounds:
+        if bound is None or isinstance(bound, ast.Name):
+            continue
+        inner = bound.operand if isinstance(bound, ast.UnaryOp) and isinstance(bound.op, ast.USub) else bound
+        if not (
+            isinstance(inner, ast.Constant) and (inner.value is None or type(inner.value) in (int, float))
+        ):
+            return None
+    return bounds
+
+
 def _reads_name(node: ast.AST, name: str) -> bool:
     return any(
         isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load) for n in ast.walk(node)
@@ -410,3 +575,136 @@ def _assigned_name(node: ast.stmt) -> str | None:
     if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
         return node.targets[0].id
     return None
+
+
+# ---------------------------------------------------------------- functions
+def inlined(source: str, scope: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """``source`` with each call of a captured function as a statement
+    (``change(layer.output[0], layer.output[1])``) replaced by that function's
+    body, its parameters bound to the arguments and its own names renamed apart;
+    the scope gains the values its body reads from its closure and globals. None
+    where no call is a plain function of yours whose source reads as one
+    ``def`` of straight statements (no return, no nested function, no
+    ``global``). It only rewrites: nothing runs, and :func:`canonical` then
+    follows the result as any block."""
+    if VALUE in source:
+        return None
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    added: dict[str, Any] = {}
+    found = False
+
+    class Inline(ast.NodeTransformer):
+        def generic_visit(self, node: ast.AST) -> ast.AST:
+            nonlocal found
+            for field in ("body", "orelse"):
+                statements = getattr(node, field, None)
+                if not isinstance(statements, list):
+                    continue
+                replaced: list[ast.stmt] = []
+                for statement in statements:
+                    body = _call_inlined(statement, scope, added, len(added))
+                    if body is None:
+                        replaced.append(statement)
+                    else:
+                        found = True
+                        replaced.extend(body)
+                setattr(node, field, replaced)
+            return super().generic_visit(node)
+
+    Inline().visit(tree)
+    if not found:
+        return None
+    ast.fix_missing_locations(tree)
+    return ast.unparse(tree) + "\n", {**scope, **added}
+
+
+def _call_inlined(
+    statement: ast.stmt, scope: dict[str, Any], added: dict[str, Any], serial: int
+) -> list[ast.stmt] | None:
+    call = statement.value if isinstance(statement, ast.Expr) else None
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and not call.keywords):
+        return None
+    function = scope.get(call.func.id)
+    definition = _definition(function) if type(function) is types.FunctionType else None
+    if definition is None:
+        return None
+    params = [a.arg for a in definition.args.args]
+    if len(params) != len(call.args) or any(isinstance(a, ast.Starred) for a in call.args):
+        return None
+    local = set(params) | {
+        n.id for n in ast.walk(definition) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+    }
+    code = function.__code__
+    cells = dict(zip(code.co_freevars, function.__closure__ or ()))
+    renamed: dict[str, str] = {}
+    for name in {n.id for n in ast.walk(definition) if isinstance(n, ast.Name)}:
+        new = f"{name}__{code.co_name}{serial}"
+        if name in local:
+            renamed[name] = new
+            continue
+        if name in cells:
+            try:
+                value = cells[name].cell_contents
+            except ValueError:  # a cell not filled yet
+                return None
+        elif name in function.__globals__:
+            value = function.__globals__[name]
+        elif hasattr(builtins, name):
+            continue  # a builtin, as the block sees it
+        else:
+            return None
+        renamed[name] = new
+        added[new] = value
+
+    class Rename(ast.NodeTransformer):
+        def visit_Name(self, node: ast.Name) -> ast.Name:  # noqa: N802
+            return ast.Name(id=renamed.get(node.id, node.id), ctx=node.ctx)
+
+    bound = [
+        ast.Assign(targets=[ast.Name(id=renamed[p], ctx=ast.Store())], value=a, lineno=statement.lineno)
+        for p, a in zip(params, call.args)
+    ]
+    body = [Rename().visit(copy.deepcopy(s)) for s in definition.body]
+    return [*bound, *body]
+
+
+def _definition(function: types.FunctionType) -> ast.FunctionDef | None:
+    """A function's ``def``, where its source is one undecorated ``def`` of
+    positional parameters and straight statements."""
+    try:
+        source = inspect.getsource(function)
+    except (OSError, TypeError):
+        return None
+    return _straight_def(textwrap.dedent(source), function.__code__.co_name)
+
+
+@functools.lru_cache(maxsize=256)
+def _straight_def(source: str, name: str) -> ast.FunctionDef | None:
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.FunctionDef):
+        return None
+    definition = tree.body[0]
+    args = definition.args
+    if (
+        definition.name != name
+        or definition.decorator_list
+        or args.vararg
+        or args.kwarg
+        or args.kwonlyargs
+        or args.defaults
+        or args.posonlyargs
+    ):
+        return None
+    forbidden = (
+        ast.Return, ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef, ast.Global,
+        ast.Nonlocal, ast.Yield, ast.YieldFrom, ast.Await, ast.Try, ast.With, ast.Import, ast.ImportFrom,
+    )  # fmt: skip
+    if any(isinstance(n, forbidden) for s in definition.body for n in ast.walk(s)):
+        return None
+    return definition

@@ -1,10 +1,22 @@
 """The operations at each tap: add each row's steering vector, keep each row asked for.
 
-``torch.ops.vllm_nnsight.steer(hidden, slots, bank, site)`` returns ``hidden``
-with ``bank[slots[site, row]]`` added to every row whose slot is not -1; other
-rows are copied bit for bit. The addition is what ``hidden[:] += vector`` does in
-a block: in float32, rounded once to ``hidden``'s dtype (the bank holds the
-vector's values exactly, in float32).
+``torch.ops.vllm_nnsight.steer(hidden, second, slots, bank, how, site)`` returns
+``hidden`` with each row whose slot is not -1 edited by its entry of the bank;
+other rows are copied bit for bit. ``how[slot]`` says which edit (its first
+value; the others are the edit's numbers):
+
+- 0, an addition: ``bank[slot]`` added, as ``hidden[:] += vector`` does in a
+  block: in float32, rounded once to ``hidden``'s dtype (the bank holds the
+  vector's values exactly, in float32);
+- 1 and 2, a direction ``u = bank[slot]`` (in ``hidden``'s dtype) removed or
+  clamped: ``c = s @ u`` with ``s`` the row (1) or the row plus ``second``'s
+  (2, the residual stream leaving a decoder layer), then
+  ``hidden -= (c - c.clamp(how[slot, 1], how[slot, 2])) * u``, each operation
+  rounded to ``hidden``'s dtype as a block's arithmetic in that dtype rounds
+  (bounds of 0 and 0 remove the direction, as ``hidden -= c * u``). The tensor
+  operations compute ``c`` for a request's rows together, as the block's own
+  matrix product does (on a CPU, bit for bit); the kernel sums in float32 in
+  its own order.
 
 ``torch.ops.vllm_nnsight.keep(first, second, codes, dest, store, site)`` writes
 row ``r`` of ``first`` (code 1), of ``second`` (code 2) or of ``first + second``
@@ -16,7 +28,7 @@ keeps both outputs, ``first`` at ``dest`` and ``second`` in the row after it
 (a ``tracer.cache`` of the tap: its whole output, every step).
 
 A tap runs both as one operation, ``torch.ops.vllm_nnsight.tap(hidden, second,
-table, bank, store, site, keeps)`` (``table`` is the ``[row, part, site]``
+table, bank, how, store, site, keeps)`` (``table`` is the ``[row, part, site]``
 tensor the three tables are views of; ``keeps`` 0: steer only, 1: keep with
 ``second``, 2: keep with the steered value as the second, a tap whose value is
 one tensor). On CUDA it can be one Triton kernel a
@@ -89,19 +101,99 @@ def forget_seen(slots: torch.Tensor, codes: torch.Tensor | None = None) -> None:
             del _PASSED[key]
 
 
+#: ``how[slot, 0]``: the edit an entry of the bank makes.
+ADD, PROJECT, PROJECT_STREAM = 0, 1, 2
+
+
 @torch.library.custom_op(f"{NAMESPACE}::steer", mutates_args=())
-def steer(hidden: torch.Tensor, slots: torch.Tensor, bank: torch.Tensor, site: int) -> torch.Tensor:
+def steer(
+    hidden: torch.Tensor,
+    second: torch.Tensor,
+    slots: torch.Tensor,
+    bank: torch.Tensor,
+    how: torch.Tensor,
+    site: int,
+) -> torch.Tensor:
     _SEEN[slots.data_ptr(), site] = (tuple(hidden.shape), hidden.dtype)
     if hidden.dim() != 2 or hidden.shape[-1] != bank.shape[-1] or hidden.shape[0] > slots.shape[1]:
         return hidden.clone()
     index = slots[site, : hidden.shape[0]]
-    hit = (index >= 0).unsqueeze(-1)
-    added = hidden.float() + bank.index_select(0, index.clamp(min=0).long())
-    return torch.where(hit, added.to(hidden.dtype), hidden)
+    safe = index.clamp(min=0).long()
+    mode = torch.where(index >= 0, how[safe, 0], -1.0)
+    hit = (mode == ADD).unsqueeze(-1)
+    added = hidden.float() + bank.index_select(0, safe)
+    out = torch.where(hit, added.to(hidden.dtype), hidden)
+    if second.shape != hidden.shape:
+        return out
+    if hidden.is_cuda:  # no host sync (graphs): every row, masked
+        return _projected_rows(out, hidden, second, mode, safe, bank, how)
+    if not bool((mode > ADD).any()):
+        return out
+    return _projected_runs(out, hidden, second, mode.tolist(), index.tolist(), bank, how)
+
+
+_INF = float("inf")
+
+
+def _projected_runs(
+    out: torch.Tensor,
+    hidden: torch.Tensor,
+    second: torch.Tensor,
+    mode: list[float],
+    index: list[int],
+    bank: torch.Tensor,
+    how: torch.Tensor,
+) -> torch.Tensor:
+    """The directions removed or clamped, each request's rows (a run of one slot)
+    with the block's own operations (``s @ u`` on those rows together: the same
+    product, so the same bits on a CPU)."""
+    row, rows = 0, len(index)
+    while row < rows:
+        end = row + 1
+        while end < rows and index[end] == index[row] and mode[end] == mode[row]:
+            end += 1
+        if mode[row] > ADD:
+            slot = index[row]
+            u = bank[slot].to(hidden.dtype)
+            part = hidden[row:end]
+            stream = part + second[row:end] if mode[row] == PROJECT_STREAM else part
+            c = stream @ u
+            low, high = (float(v) for v in how[slot, 1:3].tolist())
+            held = c.clamp(min=None if low == -_INF else low, max=None if high == _INF else high)
+            out[row:end] = part - (c - held)[:, None] * u
+        row = end
+    return out
+
+
+def _projected_rows(
+    out: torch.Tensor,
+    hidden: torch.Tensor,
+    second: torch.Tensor,
+    mode: torch.Tensor,
+    safe: torch.Tensor,
+    bank: torch.Tensor,
+    how: torch.Tensor,
+) -> torch.Tensor:
+    """The same on every row at once (a CUDA graph cannot wait on the host): the
+    product summed in float32 per row, rounded as the block's is."""
+    u = bank.index_select(0, safe).to(hidden.dtype)
+    stream = torch.where((mode == PROJECT_STREAM).unsqueeze(-1), hidden + second, hidden)
+    c = (stream.float() * u.float()).sum(-1).to(hidden.dtype)
+    limits = how.index_select(0, safe).to(hidden.dtype)
+    held = torch.minimum(torch.maximum(c, limits[:, 1]), limits[:, 2])
+    projected = hidden - (c - held)[:, None] * u
+    return torch.where((mode > ADD).unsqueeze(-1), projected, out)
 
 
 @steer.register_fake
-def _(hidden: torch.Tensor, slots: torch.Tensor, bank: torch.Tensor, site: int) -> torch.Tensor:
+def _(
+    hidden: torch.Tensor,
+    second: torch.Tensor,
+    slots: torch.Tensor,
+    bank: torch.Tensor,
+    how: torch.Tensor,
+    site: int,
+) -> torch.Tensor:
     return torch.empty_like(hidden)
 
 
@@ -145,6 +237,7 @@ def tap(
     second: torch.Tensor,
     table: torch.Tensor,
     bank: torch.Tensor,
+    how: torch.Tensor,
     store: torch.Tensor,
     site: int,
     keeps: int,
@@ -162,14 +255,15 @@ def tap(
         and second.is_contiguous()
         and store.dtype == hidden.dtype
         and table.is_contiguous()
+        and how.is_contiguous()
     )
     if kernel is None or not fits:
-        out = steer(hidden, slots, bank, site)
+        out = steer(hidden, second, slots, bank, how, site)
         if keeps:
             keep(out, out if keeps == 2 else second, codes, dest, store, site)
         return out
     _SEEN[slots.data_ptr(), site] = (tuple(hidden.shape), hidden.dtype)
-    return launch(kernel, hidden, second, table, bank, store, site, keeps)
+    return launch(kernel, hidden, second, table, bank, how, store, site, keeps)
 
 
 def launch(
@@ -178,6 +272,7 @@ def launch(
     second: torch.Tensor,
     table: torch.Tensor,
     bank: torch.Tensor,
+    how: torch.Tensor,
     store: torch.Tensor,
     site: int,
     keeps: int,
@@ -187,7 +282,9 @@ def launch(
     rows, width = hidden.shape
     if rows:
         block = min(1024, 1 << (width - 1).bit_length())
-        kernel[(rows,)](hidden, second, out, table, bank, store, site, table.shape[2], width, block, keeps)
+        kernel[(rows,)](
+            hidden, second, out, table, bank, how, store, site, table.shape[2], width, block, keeps
+        )
     return out
 
 
@@ -197,6 +294,7 @@ def _(
     second: torch.Tensor,
     table: torch.Tensor,
     bank: torch.Tensor,
+    how: torch.Tensor,
     store: torch.Tensor,
     site: int,
     keeps: int,
@@ -213,7 +311,7 @@ if triton is not None:
 
     @triton.jit
     def _tap_rows(
-        hidden, second, out, table, bank, store, site, sites,
+        hidden, second, out, table, bank, how, store, site, sites,
         H: tl.constexpr, BLOCK: tl.constexpr, KEEPS: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0).to(tl.int64)
@@ -221,16 +319,41 @@ if triton is not None:
         slot = tl.load(at)
         code = tl.load(at + sites) * (KEEPS > 0)
         dest = tl.load(at + 2 * sites).to(tl.int64)
+        entry = tl.maximum(slot, 0).to(tl.int64)
+        mode = tl.where(slot >= 0, tl.load(how + entry * 4).to(tl.int32), -1)
+        dtype = hidden.dtype.element_ty
+        delta = 0.0
+        if mode > 0:  # a direction removed or clamped: first c = s @ u, rounded
+            total = 0.0
+            for start in range(0, H, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                mask = offs < H
+                h = tl.load(hidden + row * H + offs, mask=mask, other=0.0)
+                u = tl.load(bank + entry * H + offs, mask=mask, other=0.0).to(dtype)
+                s = h
+                if mode == 2:  # the stream: the row plus the second value's, rounded
+                    r = tl.load(second + row * H + offs, mask=mask, other=0.0)
+                    s = (h.to(tl.float32) + r.to(tl.float32)).to(dtype)
+                total += tl.sum(s.to(tl.float32) * u.to(tl.float32), axis=0)
+            c = total.to(dtype).to(tl.float32)
+            low = tl.load(how + entry * 4 + 1).to(dtype).to(tl.float32)
+            high = tl.load(how + entry * 4 + 2).to(dtype).to(tl.float32)
+            held = tl.minimum(tl.maximum(c, low), high)
+            delta = (c - held).to(dtype).to(tl.float32)
         for start in range(0, H, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             mask = offs < H
             h = tl.load(hidden + row * H + offs, mask=mask)
-            if slot >= 0:  # hidden.float() + bank[slot], rounded once
-                added = h.to(tl.float32) + tl.load(bank + slot.to(tl.int64) * H + offs, mask=mask)
+            if mode == 0:  # hidden.float() + bank[slot], rounded once
+                added = h.to(tl.float32) + tl.load(bank + entry * H + offs, mask=mask)
                 h = added.to(h.dtype)
+            elif mode > 0:  # hidden - round(delta * u), rounded
+                u = tl.load(bank + entry * H + offs, mask=mask).to(dtype).to(tl.float32)
+                push = (delta * u).to(dtype).to(tl.float32)
+                h = (h.to(tl.float32) - push).to(h.dtype)
             tl.store(out + row * H + offs, h, mask=mask)
             if code != 0:  # 1 the output, 2 the second value, 3 their sum, 4 both
-                if KEEPS == 2:  # a tensor's tap: its second value is the steered one
+                if KEEPS == 2:  # a tensor's tap: its second value is the edited one
                     r = h
                 else:
                     r = tl.load(second + row * H + offs, mask=mask)

@@ -37,7 +37,7 @@ class Lowering:
     def __init__(self, runner: Any) -> None:
         self.runner = runner
         self.count = 0
-        self.by_form = {"steer": 0, "keep": 0, "read": 0, "cache": 0, "replay": 0}
+        self.by_form = {"steer": 0, "project": 0, "keep": 0, "read": 0, "cache": 0, "replay": 0}
         self.known: OrderedDict[bytes, Any] = OrderedDict()
         #: Blocks are served copies of what they read (``NNSIGHT_VLLM_CLONE_READS``):
         #: an in-place edit is then lost, as nnsight documents, so no steering
@@ -189,7 +189,7 @@ class Lowering:
             why = COPIES
         elif lowered.code and room <= 0:
             why = UNSIZED
-        elif not tables.add(request.id, lowered, block.vector, room, block.also):
+        elif not tables.add(request.id, lowered, block.vector, room, block.also, block.how):
             why = NO_ROOM
         if why is not None:
             self.paths.python(request.id, *why)
@@ -198,8 +198,7 @@ class Lowering:
         if rest is not None:
             self.mixed.add(request.id)
         self.count += 1
-        code, single = lowered.code, lowered.single
-        form = "steer" if not code else "read" if single else "cache" if lowered.cache else "keep"
+        form = block.form
         self.by_form[form] += 1
         self.paths.lowered(request.id, form if rest is None else f"{form}, Python at the sampler")
         return True
