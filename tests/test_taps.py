@@ -582,7 +582,7 @@ def test_one_operation_a_tap_computes_what_steer_and_keep_do():
     assert not torch.equal(kept_pair, kept_tensor) and kept_pair[2:10].abs().sum() > 0
 
 
-def test_a_request_steering_several_layers_takes_an_entry_at_each():
+def test_a_request_steering_several_layers_takes_an_entry_at_each_and_one_row_of_the_bank():
     tables = TapTables(
         tuple(f"model.layers.{i}" for i in range(3)), max_tokens=16, hidden=4, entries=4, device="cpu"
     )
@@ -591,10 +591,10 @@ def test_a_request_steering_several_layers_takes_an_entry_at_each():
     assert tables.add("one", steering(1, 0, None), torch.full((4,), 2.0))
     assert not tables.add("full", steering(1, 0, None), torch.ones(4), also=(2,))  # one entry left
     tables.fill(["several", "one"], bounds([0, 3], [3, 2]))
-    entry, extra = several.entry, tables._also_of["several"][0]
+    assert several.entry != tables._also_of["several"][0]  # an entry at each tap
     want = torch.full((3, 16), -1, dtype=torch.int32)
-    want[0, 0:3], want[2, 0:3], want[1, 3:5] = entry, extra, tables.requests["one"].entry
-    assert torch.equal(tables.slots, want)
+    want[0, 0:3], want[2, 0:3], want[1, 3:5] = several.slot, several.slot, tables.requests["one"].slot
+    assert torch.equal(tables.slots, want)  # one row of the bank, the vector's
     out = torch.ops.vllm_nnsight.steer(
         torch.zeros(5, 4), torch.zeros(5, 4), tables.slots, tables.bank, tables.how, 2
     )
@@ -603,11 +603,33 @@ def test_a_request_steering_several_layers_takes_an_entry_at_each():
     assert tables.forget("several")[1] == 1 and len(tables.free) == 3  # both entries back
     tables.fill(["several", "one"], bounds([0, 1], [1, 1]))
     want = torch.full((3, 16), -1, dtype=torch.int32)
-    want[1, 1] = tables.requests["one"].entry
+    want[1, 1] = tables.requests["one"].slot
     assert torch.equal(tables.slots, want)
+    assert len(tables.bank_free) == 3  # its row of the bank back too
 
 
-def test_kept_rows_go_straight_to_each_requests_region_of_the_store():
+def test_a_finished_request_gives_its_entries_back_and_keeps_its_rows_until_read():
+    """Entries are few and the requests of a long trace many: a request that
+    finished frees its entries at once (``retire``), the rows it kept stay in its
+    region until its saves are read."""
+    tables = TapTables(("model.layers.0",), max_tokens=8, hidden=3, entries=2, device="cpu", store_size=32)
+    first = Lowered(0, 0, None, None, code=KEEP_FIRST, name="rows")
+    assert tables.add("first", first, None, room=8)
+    assert tables.add("steer", steering(0, 0, None), torch.ones(3))
+    assert not tables.add("late", Lowered(0, 0, None, None, code=KEEP_FIRST, name="rows"), None, room=8)
+    tables.fill(["first"], bounds([0], [2]))
+    hidden = torch.arange(6.0).reshape(2, 3)
+    torch.ops.vllm_nnsight.keep(hidden, hidden, tables.codes, tables.dest, tables.store, 0)
+    tables.retire("first")
+    assert tables.steps("first") == 1 and len(tables.free) == 1
+    late = Lowered(0, 0, None, None, code=KEEP_FIRST, name="rows")
+    assert tables.add("late", late, None, room=8)  # the finished request's entry
+    assert late.base != first.base  # but not its region, which holds its rows
+    taken = tables.forget("first")
+    assert taken is not None and taken[1] == 1
+    assert torch.equal(tables.saves(first)["rows"][0], hidden)
+    tables.release(first)
+    tables.retire("first")  # once forgotten, nothing to retire
     tables = TapTables(
         ("model.layers.0", "model.layers.1"), max_tokens=8, hidden=3, entries=4, device="cpu", store_size=32
     )

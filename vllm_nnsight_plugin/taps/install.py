@@ -59,6 +59,7 @@ class TapTables:
         tuple_sites: frozenset[int] | None = None,
         store_size: int | None = None,
         one_op: bool = False,
+        bank_rows: int | None = None,
     ):
         self.sites = sites
         self.site_of = {path: i for i, path in enumerate(sites)}
@@ -80,9 +81,13 @@ class TapTables:
         self.one_op = one_op
         self.slots, self.codes, self.dest = (table[:, part].t() for part in range(3))
         ops.forget_seen(self.slots, self.codes)
-        self.bank = torch.zeros((entries, hidden), dtype=torch.float32, device=self.device)
-        #: per entry: which edit its bank row makes, and the edit's bounds (``ops.steer``)
-        self.how = torch.zeros((entries, 4), dtype=torch.float32, device=self.device)
+        # One row of the bank per steering request (its entries at several sites
+        # share it); a keep takes entries and no row.
+        bank_rows = entries if bank_rows is None else bank_rows
+        self.bank = torch.zeros((bank_rows, hidden), dtype=torch.float32, device=self.device)
+        #: per bank row: which edit it makes, and the edit's bounds (``ops.steer``)
+        self.how = torch.zeros((bank_rows, 4), dtype=torch.float32, device=self.device)
+        self.bank_free = list(range(bank_rows - 1, -1, -1))
         memory = torch.cuda.get_device_properties(self.device).total_memory if cuda else 0
         rows = store_size or store_rows(hidden * dtype.itemsize, cuda, memory)
         self.store = torch.zeros((rows, hidden), dtype=dtype, device=self.device)
@@ -150,6 +155,8 @@ class TapTables:
         """
         if request_id in self.requests or len(self.free) < 1 + len(also):
             return False
+        if vector is not None and not self.bank_free:
+            return False
         if also and lowered.code and lowered.single:
             return False  # a read on the first step names one tap
         if lowered.code:
@@ -163,11 +170,12 @@ class TapTables:
             lowered.regions = tuple(zip((lowered.site, *also), bases))
         entry = lowered.entry = self.free.pop()
         if vector is not None:
-            self.bank[entry].copy_(vector.detach().reshape(-1).to(torch.float32))
-            self.how[entry, :3] = torch.tensor(how, dtype=torch.float32)
+            slot = lowered.slot = self.bank_free.pop()
+            self.bank[slot].copy_(vector.detach().reshape(-1).to(torch.float32))
+            self.how[slot, :3] = torch.tensor(how, dtype=torch.float32)
         self._kind[entry] = 1 if lowered.code else 0
         self._site[entry] = lowered.site
-        self._value[entry] = lowered.code or entry
+        self._value[entry] = lowered.code or lowered.slot
         self._start[entry] = lowered.start
         self._stop[entry] = _NEVER if lowered.stop is None else lowered.stop
         self._steps[entry] = self._done[entry] = self._first[entry] = 0
@@ -186,10 +194,6 @@ class TapTables:
                 self._site[extra] = site
                 if lowered.code:  # a keep: its own region
                     self._base[extra] = dict(lowered.regions)[site]
-                else:
-                    self._value[extra] = extra
-                    self.bank[extra].copy_(self.bank[entry])
-                    self.how[extra].copy_(self.how[entry])
                 self._lowered[extra] = lowered
         return True
 
@@ -221,21 +225,44 @@ class TapTables:
         lowered = self.requests.pop(request_id, None)
         if lowered is None:
             return None
+        self._give_back(request_id, lowered)
+        return lowered, self._state(lowered)[0]
+
+    def retire(self, request_id: str) -> None:
+        """A request finished: its entries and bank row go back now, so that the
+        requests after it find room while its kept rows wait in its region until
+        they are read (:meth:`saves`, then :meth:`release`)."""
+        lowered = self.requests.get(request_id)
+        if lowered is not None and lowered.retired is None:
+            self._give_back(request_id, lowered)
+
+    def _give_back(self, request_id: str, lowered: Lowered) -> None:
+        if lowered.retired is not None:
+            return
         entry = self._entry_of.pop(request_id)
+        lowered.retired = (int(self._steps[entry]), int(self._done[entry]), int(self._first[entry]))
         for each in (entry, *self._also_of.pop(request_id, ())):
             self._lowered[each] = None
             self.free.append(each)
-        return lowered, int(self._steps[entry])
+        if lowered.slot >= 0:
+            self.bank_free.append(lowered.slot)
+            lowered.slot = -1
+
+    def _state(self, lowered: Lowered) -> tuple[int, int, int]:
+        """(forwards, rows kept, rows of its first forward) of a request."""
+        if lowered.retired is not None:
+            return lowered.retired
+        entry = lowered.entry
+        return int(self._steps[entry]), int(self._done[entry]), int(self._first[entry])
 
     def steps(self, request_id: str) -> int:
         """How many forwards a lowered request has been in (this step's included)."""
-        return int(self._steps[self._entry_of[request_id]])
+        return self._state(self.requests[request_id])[0]
 
     def saves(self, lowered: Lowered, counted: int | None = None) -> dict[str, Any]:
         """What a request's lowered block kept (read before :meth:`release`), in its
         first ``counted`` forwards where vLLM threw the later ones' samples away."""
-        entry = lowered.entry
-        steps, done, first = int(self._steps[entry]), int(self._done[entry]), int(self._first[entry])
+        steps, done, first = self._state(lowered)
         if counted is not None and counted < steps:
             steps, done = counted, rows_kept(lowered, counted, first)
         if len(lowered.regions) > 1 and not lowered.replay:
@@ -251,7 +278,7 @@ class TapTables:
 
     def overflowed(self, lowered: Lowered) -> bool:
         """Whether the request had more rows than its region (its rows were dropped)."""
-        return bool(lowered.code) and int(self._done[lowered.entry]) * lowered.stride > lowered.rows
+        return bool(lowered.code) and self._state(lowered)[1] * lowered.stride > lowered.rows
 
     # ------------------------------------------------------------ each step
     def fill(self, req_ids: list[str], bounds: Any) -> None:
@@ -371,11 +398,12 @@ def install(runner: Any, model: Any) -> TapTables | None:
         sites,
         max_tokens,
         hidden,
-        2 * max_seqs + 16,
+        (2 * max_seqs + 16) * len(sites),  # every running request at every tap (a probe)
         device,
         seams.model_dtype(runner),
         tuples,
         one_op=kernel_chosen(runner.vllm_config),
+        bank_rows=2 * max_seqs + 16,
     )
     tables.pair_sites = frozenset(
         i for i in tuples if returns_tuple(type(model.get_submodule(sites[i])), exactly=2)

@@ -61,7 +61,11 @@ class Lowered:
     replay: bool = False
     #: a keep over several taps: (site, base of its region) for each, in model order
     regions: tuple[tuple[int, int], ...] = ()
-    entry: int = -1  # its row in the tables' per-request arrays (and the bank)
+    entry: int = -1  # its row in the tables' per-request arrays
+    slot: int = -1  # steering: its vector's row of the bank
+    #: once its request finished: (forwards, rows kept, rows of its first forward),
+    #: its entries given back while its region waits to be read
+    retired: tuple[int, int, int] | None = None
     base: int = 0  # keeping: its region of the store
     rows: int = 0
     #: steps whose row count was not the usual one (the prompt first, then one)

@@ -131,8 +131,12 @@ class WorkerRuntime:
         if self.kernels is not None:
             self.kernels.restore()
         self.step_watch.new_step()
+        finished = seams.finished_ids(scheduler_output)
+        if self.tables is not None and finished:
+            for request_id in finished:  # their entries for the requests after them
+                self.tables.retire(request_id)
         if self.requests is not None and self.requests.requests:
-            stale = self.uncollected.step(seams.finished_ids(scheduler_output), self.requests.requests)
+            stale = self.uncollected.step(finished, self.requests.requests)
             if stale:
                 self.collect(stale, None)
         tracked = {} if self.requests is None else self.requests.requests
