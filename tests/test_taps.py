@@ -125,6 +125,11 @@ def test_steering_several_layers_in_a_loop_is_recognised(source, over):
         "for i in (8, 10):\n    model.model.layers[i].output[0][:] += v\n",  # no step loop
         # the steps read a name the inner loop rebinds (Python reads the captured one)
         "for _ in tracer.iter[:i]:\n    for i in (8, 10):\n        model.model.layers[i].output[0][:] += v\n",
+        # layers counted by the step, or by the loop's own name
+        "for step in tracer.iter[:4]:\n    for i in range(step):\n        model.model.layers[i].output[0][:] += v\n",
+        "for _ in tracer.iter[:4]:\n    for i in range(i):\n        model.model.layers[i].output[0][:] += v\n",
+        "rows = list().save()\nfor step in tracer.all():\n    for i in range(2, step):\n"
+        "        rows.append(model.model.layers[i].output[0].clone())\n",
     ],
 )
 def test_other_loops_over_layers_run_as_python(source):
@@ -154,6 +159,13 @@ def test_other_loops_over_layers_run_as_python(source):
             ("layer", Index("chosen")),
             None,
             KEEP_SECOND,
+        ),
+        (  # a probe over a captured count of layers
+            "rows = list().save()\nfor _ in tracer.iter[:tokens]:\n    for i in range(layers):\n"
+            "        rows.append(model.model.layers[i].output[0][-1].clone())\n",
+            ("i", ("range", Index("layers"))),
+            -1,
+            KEEP_FIRST,
         ),
     ],
 )
@@ -220,6 +232,33 @@ def test_a_keep_at_several_taps_saves_the_list_its_loop_builds():
     for got, want in zip(rows, wants):
         assert torch.equal(got, want)
     assert tables.regions.free_rows() == 63
+
+
+def test_a_range_of_captured_counts_is_read_as_the_layers_it_names():
+    """``range(layers)`` (a probe of every layer) lowers over the layers the
+    captured numbers name; anything but whole numbers, or a ``range`` of the
+    block's own, runs as Python."""
+    from types import SimpleNamespace
+
+    from vllm_nnsight_plugin.taps.lower import Unlowered, _layers
+
+    class Model:
+        pass
+
+    model = Model()
+    sites = tuple(f"model.layers.{i}" for i in range(4))
+    tables = SimpleNamespace(
+        site_of={path: i for i, path in enumerate(sites)}, means=lambda site, whole: True
+    )
+    form = block_form(
+        "rows = list().save()\nfor _ in tracer.iter[:4]:\n    for i in range(first, layers):\n"
+        "        rows.append(model.model.layers[i].output[0][-1].clone())\n"
+    )
+    scope = {"model": model, "first": 1, "layers": 4}
+    found = _layers(form, scope, model, tables)
+    assert not isinstance(found, Unlowered) and found[0]["i"] == 1 and found[1] == (2, 3)
+    for bad in ({**scope, "layers": 4.0}, {**scope, "first": None}, {**scope, "range": range}):
+        assert isinstance(_layers(form, bad, model, tables), Unlowered)
 
 
 def test_the_names_a_steering_vector_reads():

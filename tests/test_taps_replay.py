@@ -103,6 +103,12 @@ def test_a_loop_of_reads_is_served_every_step_and_equals_python_bit_for_bit(smol
     for got, expected in zip(norms, want):
         assert torch.equal(got, expected)
     assert list(result.outputs[0].token_ids) == list(want_result.outputs[0].token_ids)
+    # The same block again: what it reads is remembered by its bytes, and it is
+    # served the same way with the same values.
+    again, again_result = norms_each_step(smol, twin=False)
+    assert again_result.nnsight_path == REPLAY
+    for got, expected in zip(again, norms):
+        assert torch.equal(got, expected)
 
 
 def two_layers(model, twin: bool):

@@ -177,7 +177,9 @@ def _steering(body: list[ast.stmt]) -> Form | None:
         return None
     bounds = {part.name for part in (start, stop) if isinstance(part, Index)}
     if over is not None and (
-        over[0] in names | bounds | {target, tracer, alias} or not _indexes_layers(tap, over[0])
+        over[0] in names | bounds | {target, tracer, alias}
+        or not _indexes_layers(tap, over[0])
+        or _layers_read(over) & {over[0], target, tracer, alias}
     ):
         return None  # the vector or the steps read the layer, or the loop is not over the layers
     vector = ast.Expression(body=edit.value)
@@ -200,7 +202,8 @@ def _steering(body: list[ast.stmt]) -> Form | None:
 def _layers_loop(node: ast.For) -> tuple[tuple[str, Any], list[ast.stmt]] | None:
     """``for i in <layers>:`` with one or two statements -> ((``i``, the layers), its
     body). ``<layers>`` is a tuple or list of whole numbers written out,
-    ``range(...)`` of them, or a captured name (read at admission)."""
+    ``range(...)`` of them or of captured names (``range(layers)``), or a
+    captured name (each read at admission)."""
     if node.orelse or not 1 <= len(node.body) <= 2 or not isinstance(node.target, ast.Name):
         return None
     found: Any = None
@@ -214,11 +217,20 @@ def _layers_loop(node: ast.For) -> tuple[tuple[str, Any], list[ast.stmt]] | None
         and 1 <= len(node.iter.args) <= 3
         and not node.iter.keywords
     ):
-        numbers = [_int(a) for a in node.iter.args]
+        # whole numbers written out, or captured names read at admission
+        numbers = [_int(a) if _int(a) is not None else _named(a) for a in node.iter.args]
         found = ("range", *numbers) if None not in numbers else None
     elif isinstance(node.iter, ast.Name):
         found = Index(node.iter.id)
     return None if found is None else ((node.target.id, found), list(node.body))
+
+
+def _layers_read(over: tuple[str, Any]) -> set[str]:
+    """The names a loop over layers reads for its layers (``range(first, last)``,
+    a captured list): they must be the captured ones, not the loop's own."""
+    spec = over[1]
+    parts = (spec,) if isinstance(spec, Index) else spec[1:] if spec[0] == "range" else ()
+    return {part.name for part in parts if isinstance(part, Index)}
 
 
 def _indexes_layers(tap: tuple, name: str) -> bool:
@@ -283,7 +295,11 @@ def _keeping(body: list[ast.stmt]) -> Form | None:
         return None
     if over is not None:
         bounds = {part.name for part in (start, stop) if isinstance(part, Index)}
-        if over[0] in bounds | {target, tracer, kept} or not _indexes_layers(tap, over[0]):
+        if (
+            over[0] in bounds | {target, tracer, kept}
+            or not _indexes_layers(tap, over[0])
+            or _layers_read(over) & {over[0], target, tracer, kept}
+        ):
             return None  # the steps read the layer, or the loop is not over the layers
     return Form(tracer, start, stop, tap, None, code=code, kept=kept, select=select, whole=whole, over=over)
 

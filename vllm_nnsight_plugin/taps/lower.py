@@ -1,7 +1,9 @@
 """Which blocks run on the tap tables instead of as Python, and what they become.
 
-A block's source must be one of the forms in ``forms.py``; then, at admission,
-the values it captured must pass the checks here, or it runs as Python:
+A block's source must be one of the forms in ``forms.py``, or compute one
+(``meaning.py`` rewrites it, a function it calls on the tap inlined from its
+source); then, at admission, the values it captured must pass the checks here,
+or it runs as Python:
 
 - the location it names is a tap, read as the tap's value is: ``output[0]`` and
   ``output[1]`` on a module whose forward returns a tuple (the hidden state and
@@ -23,11 +25,15 @@ the values it captured must pass the checks here, or it runs as Python:
 - a read on the first step indexes the prompt's rows within range (out of range,
   Python raises on that step, and so it must run as Python);
 - a cache names the tap alone, with nnsight's defaults (its values on the host,
-  the output only).
+  the output only);
+- a direction removed or clamped is one tensor ``[width]`` in the model's dtype
+  (the block's product needs it so), its bounds numbers, rounded to that dtype as
+  ``clamp`` rounds them.
 
 Then the block's whole effect is known. Steering: on steps ``a`` to ``b - 1`` of
 its request, every row of that request at that tap gets the vector added (or
-the one row of each step it names, which must then be ``[width]``).
+the one row of each step it names, which must then be ``[width]``), or the
+direction removed from every row, or its coefficient clamped.
 Keeping: on those steps the request's rows at the tap (at each of its layers)
 are copied out, and come back as the list the loop would have built (for a first-step read, the one
 value; for a cache, the view nnsight's ``tracer.cache`` saves). Either way, the
@@ -212,7 +218,11 @@ def _layers(
         value = scope.get(spec.name)
         numbers = list(value) if type(value) in (list, tuple, range) else None
     elif spec[0] == "range":
-        numbers = None if "range" in scope else list(range(*spec[1:]))  # the builtin only
+        bounds = [_read(b, scope) if isinstance(b, Index) else b for b in spec[1:]]
+        if "range" in scope or any(type(b) is not int for b in bounds):
+            numbers = None  # the builtin only, over whole numbers
+        else:
+            numbers = list(range(*bounds))
     else:
         numbers = list(spec)
     if not numbers or any(type(n) is not int or n < 0 for n in numbers) or numbers != sorted(set(numbers)):

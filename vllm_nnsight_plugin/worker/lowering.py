@@ -39,6 +39,9 @@ class Lowering:
         self.count = 0
         self.by_form = {"steer": 0, "project": 0, "keep": 0, "read": 0, "cache": 0, "replay": 0}
         self.known: OrderedDict[bytes, Any] = OrderedDict()
+        #: blocks served at the sampler, by digest: the taps each reads (its
+        #: source need not be read again for the next request that carries it)
+        self.served: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
         #: Blocks are served copies of what they read (``NNSIGHT_VLLM_CLONE_READS``):
         #: an in-place edit is then lost, as nnsight documents, so no steering
         #: block is lowered (the tables would apply it). Set with the worker's tree.
@@ -67,6 +70,9 @@ class Lowering:
             return False
         if not self._may_lower(request):
             return False
+        if digest is not None and digest in self.served:
+            self.served.move_to_end(digest)
+            return self._replay(request, tables, model, most, None, digest, self.served[digest])
         block = lower(
             nns.block_source(mediator),
             nns.block_scope(mediator),
@@ -78,7 +84,7 @@ class Lowering:
         if isinstance(block, Unlowered):
             rest = self._split(request, tables, model, block)
             if isinstance(rest, Unlowered):
-                return self._replay(request, tables, model, most, rest)
+                return self._replay(request, tables, model, most, rest, digest)
             block, rest_mediator = rest
             if not self._add(request, tables, for_request(block), rows, most, rest_mediator):
                 return False
@@ -128,23 +134,36 @@ class Lowering:
             return why
         return block, rest
 
-    def _replay(self, request: Any, tables: Any, model: Any, most: int, why: Any) -> bool:
-        """A block that reads one tap and writes nothing into the forward: its rows
+    def _replay(
+        self,
+        request: Any,
+        tables: Any,
+        model: Any,
+        most: int,
+        why: Any,
+        digest: bytes | None = None,
+        sites: tuple[int, ...] | None = None,
+    ) -> bool:
+        """A block that reads taps and writes nothing into the forward: its rows
         are kept on the tables and it runs as Python at the sampler, served them
-        there (``taps/replay.py``); else ``why`` is recorded."""
+        there (``taps/replay.py``); else ``why`` is recorded. ``sites``: what an
+        earlier request with the same block's bytes (``digest``) was found to read."""
         from ..taps.kept import Lowered
         from ..taps.ops import KEEP_BOTH
         from ..taps.replay import replayable
         from . import _nnsight as nns
 
         mediator = request.mediator
-        sites = None
-        if not getattr(mediator, "may_write", True) and not mediator.caches:
+        if sites is None and not getattr(mediator, "may_write", True) and not mediator.caches:
             sites = replayable(
                 nns.block_source(mediator), nns.block_scope(mediator), model, tables, _modules(model)
             )
-        if isinstance(sites, tuple) and not all(s in tables.pair_sites for s in sites):
-            sites = None  # served as the pair of values kept: a longer tuple is not that
+            if isinstance(sites, tuple) and not all(s in tables.pair_sites for s in sites):
+                sites = None  # served as the pair of values kept: a longer tuple is not that
+            if isinstance(sites, tuple) and digest is not None:
+                self.served[digest] = sites
+                while len(self.served) > _KNOWN_LIMIT:
+                    self.served.popitem(last=False)
         if not isinstance(sites, tuple):
             self.paths.python(request.id, why.kind, why.reason)
             return False
