@@ -308,6 +308,8 @@ def test_a_function_called_on_the_tap_is_read_by_its_body():
     def returns(hidden, residual):
         return hidden
 
+    clash = {"change": remove(u), "u__edit0": u}  # a name of the renamed spelling, captured
+    assert inlined("change(layer.output[0], layer.output[1])\n", clash) is None
     for function in (writes_elsewhere, returns, lambda hidden, residual: None, print):
         assert inlined("change(layer.output[0], layer.output[1])\n", {"change": function}) is None
 

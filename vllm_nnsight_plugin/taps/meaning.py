@@ -640,8 +640,11 @@ def _call_inlined(
     code = function.__code__
     cells = dict(zip(code.co_freevars, function.__closure__ or ()))
     renamed: dict[str, str] = {}
+    source_names = {n.id for n in ast.walk(call) if isinstance(n, ast.Name)}
     for name in {n.id for n in ast.walk(definition) if isinstance(n, ast.Name)}:
         new = f"{name}__{code.co_name}{serial}"
+        if new in scope or new in source_names:
+            return None  # the block has a name of that spelling already
         if name in local:
             renamed[name] = new
             continue
