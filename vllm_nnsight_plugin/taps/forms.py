@@ -555,13 +555,13 @@ def _named(node: ast.expr) -> Index | None:
 
 
 def _is_full_slice(node: ast.expr) -> bool:
-    return (
-        isinstance(node, ast.Subscript)
-        and isinstance(node.slice, ast.Slice)
-        and node.slice.lower is None
-        and node.slice.upper is None
-        and node.slice.step is None
-    )
+    """``x[:]``."""
+    return isinstance(node, ast.Subscript) and _every_row(node.slice)
+
+
+def _every_row(node: ast.expr) -> bool:
+    """``:`` alone, as an index."""
+    return isinstance(node, ast.Slice) and node.lower is None and node.upper is None and node.step is None
 
 
 def _module_path(node: ast.expr) -> tuple | None:
@@ -605,6 +605,19 @@ def _vector_names(node: ast.expr, alias: str | None = None) -> set[str] | None:
     if isinstance(node, ast.BinOp) and isinstance(node.op, _ARITHMETIC):
         left, right = _vector_names(node.left, alias), _vector_names(node.right, alias)
         return None if left is None or right is None else left | right
+    found = _moved(node)
+    if found is not None:
+        moved, where = _vector_names(found[0], alias), found[1]
+        if moved is None:
+            return None
+        if alias is not None and _of_alias(where, alias):
+            return moved
+        return moved | {where.id} if isinstance(where, ast.Name) else None
+    return None
+
+
+def _moved(node: ast.expr) -> tuple[ast.expr, ast.expr] | None:
+    """``x.to(where)`` (one argument, no keywords) -> (x, where)."""
     if (
         isinstance(node, ast.Call)
         and isinstance(node.func, ast.Attribute)
@@ -612,12 +625,7 @@ def _vector_names(node: ast.expr, alias: str | None = None) -> set[str] | None:
         and len(node.args) == 1
         and not node.keywords
     ):
-        moved, where = _vector_names(node.func.value, alias), node.args[0]
-        if moved is None:
-            return None
-        if alias is not None and _of_alias(where, alias):
-            return moved
-        return moved | {where.id} if isinstance(where, ast.Name) else None
+        return node.func.value, node.args[0]
     return None
 
 

@@ -40,7 +40,7 @@ import types
 from dataclasses import dataclass
 from typing import Any
 
-from .forms import _is_empty_list_saved, _module_path, _result_save, _steps
+from .forms import _assigned, _every_row, _is_empty_list_saved, _module_path, _moved, _result_save, _steps
 
 #: The name the canonical source gives the edited value (never a user's: a block
 #: that uses it is not rewritten).
@@ -208,7 +208,7 @@ class _Rewrite:
         self.bound.add(name)
 
     def _declares_list(self, statement: ast.stmt) -> bool:
-        name = _assigned_name(statement)
+        name = _assigned(statement)
         if name is None or not _is_empty_list_saved(statement.value):
             return False
         self._bind(name)
@@ -242,7 +242,7 @@ class _Rewrite:
 
     def _binds_vector(self, statement: ast.stmt) -> bool:
         """``v = <arithmetic on captured values>``: the expression, for its uses."""
-        name = _assigned_name(statement)
+        name = _assigned(statement)
         if name is None or self._tap(statement.value) is not None:
             return False
         if _is_empty_list_saved(statement.value):
@@ -283,7 +283,7 @@ class _Rewrite:
             return None
         projected = self._projection(value, tap) if negate else None
         if projected is not None:
-            if select is not None and not _is_full_slice(select):
+            if select is not None and not _every_row(select):
                 return None  # a direction removed from some rows: Python
             vector, select, negate = projected, None, False
         else:
@@ -318,7 +318,7 @@ class _Rewrite:
 
     def _first_read(self, statement: ast.stmt) -> list[ast.stmt] | None:
         """``first = <part of a tap's value>.save()``, with the tap's names written out."""
-        name = _assigned_name(statement)
+        name = _assigned(statement)
         call = statement.value if name is not None else None
         if not (
             isinstance(call, ast.Call)
@@ -341,7 +341,7 @@ class _Rewrite:
     def _binds_coefficient(self, statement: ast.stmt) -> bool:
         """``c = (hidden + residual) @ u`` (or ``hidden @ u``): a direction's
         coefficient, for the statement that removes or clamps it."""
-        name = _assigned_name(statement)
+        name = _assigned(statement)
         if name is None:
             return False
         try:
@@ -469,17 +469,12 @@ class _Rewrite:
             return ast.BinOp(
                 left=self._vector(node.left, edited), op=node.op, right=self._vector(node.right, edited)
             )
-        if (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute)
-            and node.func.attr == "to"
-            and len(node.args) == 1
-            and not node.keywords
-        ):
-            moved = self._vector(node.func.value, edited)
+        found = _moved(node)
+        if found is not None:
+            moved = self._vector(found[0], edited)
             return ast.Call(
                 func=ast.Attribute(value=moved, attr="to", ctx=ast.Load()),
-                args=[self._where(node.args[0], edited)],
+                args=[self._where(found[1], edited)],
                 keywords=[],
             )
         raise _Unfollowed
@@ -529,18 +524,10 @@ def _is_column(node: ast.expr) -> bool:
         isinstance(node, ast.Subscript)
         and isinstance(node.slice, ast.Tuple)
         and len(node.slice.elts) == 2
-        and _is_full_slice_part(node.slice.elts[0])
+        and _every_row(node.slice.elts[0])
         and isinstance(node.slice.elts[1], ast.Constant)
         and node.slice.elts[1].value is None
     )
-
-
-def _is_full_slice_part(node: ast.expr) -> bool:
-    return isinstance(node, ast.Slice) and node.lower is None and node.upper is None and node.step is None
-
-
-def _is_full_slice(node: ast.expr) -> bool:
-    return _is_full_slice_part(node)
 
 
 def _bounds(call: ast.Call) -> tuple[ast.expr | None, ast.expr | None] | None:
@@ -569,12 +556,6 @@ def _reads_name(node: ast.AST, name: str) -> bool:
     return any(
         isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load) for n in ast.walk(node)
     )
-
-
-def _assigned_name(node: ast.stmt) -> str | None:
-    if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-        return node.targets[0].id
-    return None
 
 
 # ---------------------------------------------------------------- functions
