@@ -42,7 +42,8 @@ output at every step (64 x 128), ``steer_docs`` the same as the user docs write 
 (the value named, a scale, a CPU vector moved with ``.to(hidden)``), ``steer_spelled`` the same edit spelled otherwise (unpacked, named, subtracted),
 ``remove`` and ``clamp`` a direction removed, or held at 0.5 or more, at every
 step with the steering page's helpers (64 x 128; ``project_check`` against
-Python), ``steer_draws``
+Python), ``ablate`` 128 of the layer's columns zeroed at every step (64 x 128),
+``steer_draws``
 the steering page's loop whole (that edit, ``tracer.all()``, each step's drawn
 token kept: split, the draws Python at the sampler), ``lens_steps`` the docs' logit
 lens at the tapped layer every step (served at the sampler on ``on-taps``, 64 x 128),
@@ -200,6 +201,17 @@ def project(model, batch, tokens, change) -> None:
             with tracer.invoke(ids):
                 for _ in tracer.iter[:tokens]:
                     change(layer.output[0], layer.output[1])
+
+
+def ablate(model, batch, tokens) -> None:
+    """An ablation held at every step: a head's worth of the layer's columns zeroed
+    on every row (the ablation page's head, on the layer's output)."""
+    layer = model.model.layers[LAYER]
+    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+        for ids in batch:
+            with tracer.invoke(ids):
+                for _ in tracer.iter[:tokens]:
+                    layer.output[0][:, 128:256] = 0
 
 
 def project_tokens(model, batch, tokens, change) -> list[list[int]]:
@@ -523,6 +535,19 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
                 projected=after["lowered_by"].get("project", 0) - before["lowered_by"].get("project", 0),
                 python=after["python_blocks"] - before["python_blocks"],
             )
+        (before,) = llm.collective_rpc("nnsight_stats")
+        ablate(model, few[:4], 8)  # warm-up
+        for _ in range(repeats):
+            batch = unique(CONCURRENT)
+            wall = timed(lambda batch=batch: ablate(model, batch, TOKENS))
+            result(engine=name, job="ablate", tok_s=round(CONCURRENT * TOKENS / wall, 1))
+        (after,) = llm.collective_rpc("nnsight_stats")
+        result(
+            engine=name,
+            job="ablate_path",
+            filled=after["lowered_by"].get("fill", 0) - before["lowered_by"].get("fill", 0),
+            python=after["python_blocks"] - before["python_blocks"],
+        )
         strong = clamp(u, least=8.0)  # held high enough to change greedy tokens
         lowered_ids = project_tokens(model, few[:8], 16, strong)
         python_ids = project_tokens_python(model, few[:8], 16, strong)

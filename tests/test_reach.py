@@ -93,6 +93,19 @@ def test_name_uses_reads_attribute_paths_and_bare_uses():
     assert name_uses("def f(:\n") is None
 
 
+def test_a_loop_variable_is_the_blocks_own_not_the_callers():
+    # ``step`` bound by the loop is all the block ever reads of that name: a
+    # ``step`` in the caller's frame (any object) is never reached
+    body = "for step in tracer.iter[:6]:\n    if step == 0:\n        model.samples = model.samples * 0\n"
+    assert "step" not in name_uses(body)
+    assert "row" not in name_uses("rows = [row for row in range(3)]\n")
+    # read after the loop (no steps: the caller's), in its ``else``, or deleted: the caller's may be read
+    assert "step" in name_uses("for step in tracer.iter[:2]:\n    pass\nx = step\n")
+    assert "step" in name_uses("for step in tracer.iter[:2]:\n    pass\nelse:\n    x = step\n")
+    assert "step" in name_uses("for step in tracer.iter[:2]:\n    del step\n    x = step\n")
+    assert "a" in name_uses("x = [a for a in a]\n")
+
+
 def test_captured_values_decide_too():
     class Tree:  # stands for the root envoy
         pass
@@ -108,3 +121,6 @@ def test_captured_values_decide_too():
     assert needs_forward(source, {"model": model, "w": torch.nn.Linear(1, 1)}, model, type(None)) is True
     assert needs_forward(None, {}, model, type(None)) is True
     assert needs_forward("out = eval('model').model\n", {"model": model}, model, type(None)) is True
+    # the generation page's forced token: ``step`` of an earlier example is still in the frame
+    forced = "for step in tracer.iter[:6]:\n    if step == 0:\n        model.samples = model.samples * 0\n"
+    assert needs_forward(forced, {"model": model, "step": object()}, model, type(None)) is False

@@ -27,7 +27,7 @@ for width in (576, 100):
     generator = torch.Generator().manual_seed(width)
     rows, sites = 37, 3
     table, bank, how = busy_tables(rows, width, sites, generator, device="cpu")
-    for edits in (torch.zeros_like(how), how):  # additions only, then directions too
+    for edits in (torch.zeros_like(how), how):  # additions only, then the other edits too
         for site in range(sites):
             hidden = torch.randn((rows, width), generator=generator).to(dtype)
             residual = torch.randn((rows, width), generator=generator).to(dtype)

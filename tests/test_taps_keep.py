@@ -401,3 +401,35 @@ def test_a_cache_of_a_tap_is_lowered_and_is_the_cache_python_builds(smollm2_llm,
     # the client's tree comes back with the view: it navigates as on a local model
     navigated = got.model.model.layers[10].output
     assert len(navigated) == 4 and all(a[0] is b[0] for a, b in zip(navigated, steps))
+
+
+def test_a_keep_of_one_row_a_step_takes_room_for_its_window_only():
+    """A probe's keep (``rows.append(<tap>.output[0][-1].clone())`` for ``iter[:n]``)
+    keeps one row at each of at most ``n`` steps, however long its prompt: a region
+    of the prompt and every token would send such requests to Python for room
+    while the store had plenty."""
+    from types import SimpleNamespace
+
+    from vllm_nnsight_plugin.taps.install import TapTables
+    from vllm_nnsight_plugin.taps.kept import Lowered
+    from vllm_nnsight_plugin.taps.lower import LoweredBlock
+    from vllm_nnsight_plugin.taps.ops import KEEP_FIRST
+    from vllm_nnsight_plugin.worker.lowering import Lowering
+
+    tables = TapTables(("a", "b"), max_tokens=64, hidden=8, entries=8, device="cpu", store_size=300)
+    lowering = Lowering(None)
+
+    def probe(request_id, stop, select):
+        lowered = Lowered(0, 0, stop, None, code=KEEP_FIRST, name="rows", select=select)
+        request = SimpleNamespace(id=request_id, mediator=None)
+        added = lowering._add(request, tables, LoweredBlock("a", lowered, None, (1,)), rows=100, most=228)
+        return added, lowered
+
+    # every row of every step (the prompt's 100 too), at two taps: 2 x 228 rows, more than the store
+    added, _ = probe("every row", 128, None)
+    assert not added and lowering.paths.taken["every row"].kind == "room"
+    added, lowered = probe("last rows", 128, -1)  # one row a step, 128 steps: 2 x 128 rows
+    assert added and lowered.rows == 128 and [site for site, _ in lowered.regions] == [0, 1]
+    assert tables.regions.free_rows() == 299 - 2 * 128
+    added, lowered = probe("every step", None, -1)  # no last step: room for every row it can have
+    assert not added

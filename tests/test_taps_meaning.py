@@ -428,3 +428,24 @@ def test_a_direction_removed_or_clamped_is_lowered_and_equals_the_python_path_bi
     )
     first = {t: p.logprob for t, p in plain[0].outputs[0].logprobs[1].items()}
     assert first != {t: p.logprob for t, p in lowered[0].outputs[0].logprobs[1].items()}  # it edited
+
+
+def test_an_if_on_captured_plain_values_takes_its_branch_at_admission():
+    from vllm_nnsight_plugin.taps.meaning import folded
+
+    block = (
+        "if index is not None:\n"
+        "    model.model.layers[index].mlp.output[:] = 0\n"
+        "p = model.logits.float().softmax(-1)[0, paris].item().save()\n"
+    )
+    taken = folded(block, {"index": 3})
+    assert taken.startswith("model.model.layers[index].mlp.output[:] = 0\n") and "if" not in taken
+    assert folded(block, {"index": None}) == "p = model.logits.float().softmax(-1)[0, paris].item().save()\n"
+    assert "b = 2" in folded("if flag and n == 2:\n    a = 1\nelse:\n    b = 2\n", {"flag": True, "n": 3})
+    assert folded("for _ in x:\n    if a:\n        y()\n", {"a": False}) == "for _ in x:\n    pass\n"
+    # a value that is not plain, a name the block rebinds, a call, an activation: undecided
+    assert folded(block, {"index": [3]}) is None
+    assert folded("if n > 0:\n    n = 1\n", {"n": 3}) is None
+    assert folded("if len(xs) > 0:\n    a = 1\n", {"xs": (1,)}) is None
+    assert folded("if h.norm() > 1:\n    h[:] *= 0.5\n", {"h": torch.ones(2)}) is None
+    assert folded("if n > m:\n    a = 1\n", {"n": 3}) is None  # not captured

@@ -125,8 +125,15 @@ def _closure(value):
 
 @pytest.mark.parametrize(
     "helper",
-    [encode, top_features, scaled, _closure(torch.ones(3)), _closure(1.5)],
-    ids=["torch and data", "another helper", "a default", "a closure of a tensor", "a closure of a number"],
+    [encode, top_features, scaled, _closure(torch.ones(3)), _closure(1.5), lambda hidden, residual: None],
+    ids=[
+        "torch and data",
+        "another helper",
+        "a default",
+        "a closure of a tensor",
+        "a closure of a number",
+        "a placeholder lambda",  # no readable source: its bytecode returns a constant
+    ],
 )
 def test_a_helper_that_only_computes_reads(helper):
     assert reads_only(helper, [10_000])

@@ -32,6 +32,10 @@ def busy_tables(rows: int, width: int, sites: int, generator: torch.Generator, d
     how[12:, 0] = torch.tensor([1.0, 2.0, 2.0, 1.0])  # the last four: directions removed or clamped
     how[12:, 1:3] = torch.tensor([[0.0, 0.0], [0.0, 0.0], [-0.5, 0.25], [float("-inf"), 1.0]])
     bank[12:] /= bank[12:].norm(dim=-1, keepdim=True)
+    # four before them: the value scaled or filled, on every column or some
+    how[8:12] = torch.tensor(
+        [[3.0, 1.5, 0.0, width], [3.0, -0.3, 10.0, 50.0], [4.0, 0.0, 0.0, width], [4.0, 2.5, 64.0, 128.0]]
+    )
     return table.to(device), bank.to(device), how.to(device)
 
 
@@ -44,7 +48,8 @@ CLOSE = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-5}
 def projected_rows(table, how, site: int, rows: int) -> torch.Tensor:
     """The rows at ``site`` whose entry removes or clamps a direction."""
     slots = table[:rows, 0, site].long()
-    return (slots >= 0) & (how[slots.clamp(min=0), 0] > 0)
+    mode = how[slots.clamp(min=0), 0]
+    return (slots >= 0) & ((mode == ops.PROJECT) | (mode == ops.PROJECT_STREAM))
 
 
 def check_against_the_tensor_operations(hidden, residual, table, bank, how, site, dtype, launch) -> None:
@@ -78,7 +83,7 @@ def test_the_tap_kernel_computes_what_the_tensor_operations_do(dtype, width):
     generator = torch.Generator().manual_seed(width)
     rows, sites = 37, 3
     table, bank, how = busy_tables(rows, width, sites, generator)
-    for edits in (torch.zeros_like(how), how):  # additions only, then directions too
+    for edits in (torch.zeros_like(how), how):  # additions only, then the other edits too
         for site in range(sites):
             hidden = torch.randn((rows, width), generator=generator).to(dtype).cuda()
             residual = torch.randn((rows, width), generator=generator).to(dtype).cuda()

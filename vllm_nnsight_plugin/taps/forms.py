@@ -104,6 +104,10 @@ class Form:
     #: the vector is a direction removed or clamped, not added (``meaning.py``):
     #: (reads the stream, lower bound, upper bound as written, clamped)
     project: tuple | None = None
+    #: the value is scaled or filled, not added to: ("scale" or "fill", the
+    #: columns or None for all: ("slice", low, high) or ("index", i), each an
+    #: ``ast.Expression`` or None); ``vector`` is then the number
+    change: tuple | None = None
 
     @property
     def cache(self) -> bool:
@@ -150,27 +154,32 @@ def _steering(body: list[ast.stmt]) -> Form | None:
         return None
     alias = None
     if len(statements) == 2:  # hidden = <tap>.output[0]; hidden[:] += <vector>
-        alias, edit = _assigned(statements[0]), statements[1]
-        if alias is None or not isinstance(edit, ast.AugAssign):
+        alias, statement = _assigned(statements[0]), statements[1]
+        if alias is None:
             return None
         read = statements[0].value
-        edited = _edited(edit.target, bare=True)
-        if edited is None or not (isinstance(edited[0], ast.Name) and edited[0].id == alias):
+        edit = _edit(statement, bare=True) or _replaced(statement, read, alias)
+        if edit is None or not (isinstance(edit[0], ast.Name) and edit[0].id == alias):
             return None
     else:
-        (edit,) = statements
-        edited = _edited(edit.target, bare=False) if isinstance(edit, ast.AugAssign) else None
-        if edited is None:
+        edit = _edit(statements[0], bare=False)
+        if edit is None:
             return None
-        read = edited[0]
-    if not isinstance(edit.op, ast.Add):
-        return None
-    select = edited[1]
+        read = edit[0]
+    _, select, change, number = edit
     whole = _is_output(read)
     if not whole and _output(read) != 0:
         return None
     tap = _module_path(read.value if whole else read.value.value)
-    names = _vector_names(edit.value, alias)
+    names = _vector_names(number, alias)
+    if change is not None and names is not None:
+        if alias in names or _moved_anywhere(number):
+            return None  # a number: never the tap's value, nor moved
+        for part in _columns(change[1]):
+            more = _vector_names(part.body)
+            names = None if more is None or _moved_anywhere(part.body) else names | more
+            if names is None:
+                break
     if tap is None or names is None:
         return None
     if _reads(tap, start, stop) & {target, tracer, alias} or names & {target, tracer, alias}:
@@ -182,7 +191,7 @@ def _steering(body: list[ast.stmt]) -> Form | None:
         or _layers_read(over) & {over[0], target, tracer, alias}
     ):
         return None  # the vector or the steps read the layer, or the loop is not over the layers
-    vector = ast.Expression(body=edit.value)
+    vector = ast.Expression(body=number)
     ast.fix_missing_locations(vector)
     return Form(
         tracer,
@@ -196,7 +205,89 @@ def _steering(body: list[ast.stmt]) -> Form | None:
         whole=whole,
         alias=alias,
         over=over,
+        change=change,
     )
+
+
+def _edit(statement: ast.stmt, bare: bool) -> tuple[ast.expr, Any, tuple | None, ast.expr] | None:
+    """What one statement does to a value -> (the value, the row of each step or
+    None, the change or None for an addition, the vector or number):
+    ``X[:] += v`` (see :func:`_edited`), ``X[<rows>, <columns>] *= s`` (scaled)
+    or ``X[<rows>, <columns>] = c`` (filled), where ``<rows>`` is ``:``, ``-1``
+    or ``0`` and ``<columns>`` a slice or one index, optional for ``X[:]``."""
+    if isinstance(statement, ast.AugAssign) and isinstance(statement.op, ast.Add):
+        edited = _edited(statement.target, bare)
+        return None if edited is None else (*edited, None, statement.value)
+    if isinstance(statement, ast.AugAssign) and isinstance(statement.op, ast.Mult):
+        found, kind = _edited_columns(statement.target, bare), "scale"
+    elif isinstance(statement, ast.Assign) and len(statement.targets) == 1:
+        found, kind = _edited_columns(statement.targets[0], False), "fill"
+    else:
+        return None
+    if found is None:
+        return None
+    value, select, columns = found
+    return value, select, (kind, columns), statement.value
+
+
+def _edited_columns(target: ast.expr, bare: bool) -> tuple[ast.expr, Any, tuple | None] | None:
+    """:func:`_edited`, or ``X[<rows>, <columns>]`` -> (X, the row or None, the columns)."""
+    found = _edited(target, bare)
+    if found is not None:
+        return (*found, None)
+    if not (isinstance(target, ast.Subscript) and isinstance(target.slice, ast.Tuple)):
+        return None
+    if len(target.slice.elts) != 2:
+        return None
+    rows, columns = target.slice.elts
+    select = None if _every_row(rows) else _int(rows)
+    if not _every_row(rows) and select not in _EVERY_STEP_ROWS:
+        return None
+    if isinstance(columns, ast.Slice):
+        if columns.step is not None:
+            return None
+        return target.value, select, ("slice", _expression(columns.lower), _expression(columns.upper))
+    if isinstance(columns, (ast.Starred, ast.Tuple, ast.List)):
+        return None
+    return target.value, select, ("index", _expression(columns))
+
+
+def _expression(node: ast.expr | None) -> ast.Expression | None:
+    if node is None:
+        return None
+    found = ast.Expression(body=node)
+    ast.fix_missing_locations(found)
+    return found
+
+
+def _columns(columns: tuple | None) -> list[ast.Expression]:
+    """The expressions a change's columns are written with."""
+    return [] if columns is None else [part for part in columns[1:] if part is not None]
+
+
+def _moved_anywhere(node: ast.expr) -> bool:
+    """A ``.to(...)`` call anywhere in an expression."""
+    return any(_moved(n) is not None for n in ast.walk(node))
+
+
+def _replaced(statement: ast.stmt, read: ast.expr, alias: str) -> tuple | None:
+    """``<tap>.output = out * s`` after ``out = <tap>.output``: the tensor a module
+    returns replaced by itself scaled (``s * out`` the same), as ``out[:] *= s``."""
+    if not (
+        isinstance(statement, ast.Assign)
+        and len(statement.targets) == 1
+        and _is_output(statement.targets[0])
+        and _is_output(read)
+        and ast.unparse(statement.targets[0]) == ast.unparse(read)
+    ):
+        return None
+    value = statement.value
+    if not (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Mult)):
+        return None
+    for mine, other in ((value.left, value.right), (value.right, value.left)):
+        if isinstance(mine, ast.Name) and mine.id == alias:
+            return ast.Name(id=alias, ctx=ast.Load()), None, ("scale", None), other
+    return None
 
 
 def _layers_loop(node: ast.For) -> tuple[tuple[str, Any], list[ast.stmt]] | None:

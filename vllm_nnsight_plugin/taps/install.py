@@ -143,7 +143,7 @@ class TapTables:
         vector: torch.Tensor | None = None,
         room: int = 0,
         also: tuple[int, ...] = (),
-        how: tuple[float, float, float] = (0.0, 0.0, 0.0),
+        how: tuple[float, ...] = (0.0, 0.0, 0.0),
     ) -> bool:
         """Put a request on the tables; False when there is no room (it runs as Python).
 
@@ -172,7 +172,7 @@ class TapTables:
         if vector is not None:
             slot = lowered.slot = self.bank_free.pop()
             self.bank[slot].copy_(vector.detach().reshape(-1).to(torch.float32))
-            self.how[slot, :3] = torch.tensor(how, dtype=torch.float32)
+            self.how[slot] = torch.tensor((*how, 0.0, 0.0, 0.0, 0.0)[:4], dtype=torch.float32)
         self._kind[entry] = 1 if lowered.code else 0
         self._site[entry] = lowered.site
         self._value[entry] = lowered.code or lowered.slot

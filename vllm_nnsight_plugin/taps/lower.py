@@ -69,16 +69,22 @@ class LoweredBlock:
     #: kept, in model order
     also: tuple[int, ...] = ()
     #: what the bank makes of the vector (``ops.steer``'s ``how``): (0, 0, 0) added;
-    #: (1 or 2, lower, upper) a direction removed or clamped
-    how: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    #: (1 or 2, lower, upper) a direction removed or clamped; (3 or 4, the number,
+    #: first column, column after the last) the value scaled or filled
+    how: tuple[float, ...] = (0.0, 0.0, 0.0)
 
     @property
     def form(self) -> str:
         """The form's name in ``nnsight_stats`` and on the output."""
         code, lowered = self.lowered.code, self.lowered
         if not code:
-            return "project" if self.how[0] else "steer"
+            return _EDITS[int(self.how[0])]
         return "read" if lowered.single else "cache" if lowered.cache else "keep"
+
+
+#: Each edit's name by ``how[0]``: added, a direction removed or clamped (of the
+#: value or of the stream), the value scaled or filled.
+_EDITS = ("steer", "project", "project", "scale", "fill")
 
 
 @dataclass(frozen=True)
@@ -149,6 +155,12 @@ def lower(
             lowered.cache = f"{model.path}.{path}"  # the key nnsight's cache files it under
         return LoweredBlock(path, lowered, None, also)
     lowered.select = form.select  # one row of each step, or None: every row
+    if form.change is not None:
+        how = _change(form, scope, tables.hidden, dtype)
+        if isinstance(how, Unlowered):
+            return how
+        zeros = torch.zeros(tables.hidden, dtype=torch.float32, device=tables.device)
+        return LoweredBlock(path, lowered, zeros, also, how)  # its bank row is not read
     vector = _vector(form, scope, tables.hidden, dtype, tables.device)
     if vector is None:
         return _VECTOR
@@ -188,6 +200,61 @@ def _projection(
     if bounds == [-float("inf"), float("inf")]:
         return _DIRECTION  # ``clamp()`` of no bound raises
     return (2.0 if stream else 1.0, *bounds)
+
+
+_NUMBER = Unlowered(
+    "vector",
+    "the number it scales or fills with is not one Python number read without running code "
+    "(a fill: one float32 holds exactly), or its columns are not whole numbers",
+)
+
+
+def _change(
+    form: Form, scope: dict[str, Any], width: int, dtype: torch.dtype
+) -> tuple[float, float, float, float] | Unlowered:
+    """``ops.steer``'s ``how`` for a value scaled (``*= s``) or filled (``= c``) on
+    some columns: (mode, the number, first column, column after the last).
+
+    The number is a Python ``int`` or ``float`` computed from the captured ones
+    (arithmetic only). A tensor times a Python number rounds the number to
+    float32 first (the bank's type) then the product to the value's dtype; a fill
+    rounds the number straight to the dtype, so a fill takes only numbers float32
+    holds exactly (then both round alike). Columns are whole numbers: a slice as
+    Python clips it, one index within the width (outside, Python raises)."""
+    from .ops import FILL, SCALE
+
+    kind, columns = form.change
+    values = {name: scope.get(name, _MISSING) for name in form.names}
+    if any(type(v) not in (int, float) for v in values.values()):
+        return _NUMBER
+    number = _evaluated(form.vector, values)
+    if type(number) not in (int, float) or dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return _NUMBER
+    if kind == "fill" and float(torch.tensor(number, dtype=torch.float32).item()) != number:
+        return _NUMBER
+    low, high = 0, width
+    if columns is not None:
+        parts = [None if part is None else _evaluated(part, values) for part in columns[1:]]
+        if any(part is not None and type(part) is not int for part in parts):
+            return _NUMBER
+        if columns[0] == "index":
+            (index,) = parts
+            if not -width <= index < width:
+                return Unlowered("form", f"it indexes column {index} of a value {width} wide (Python raises)")
+            low = index % width
+            high = low + 1
+        else:
+            low, high, _ = slice(*parts).indices(width)
+            high = max(high, low)
+    return (float(SCALE if kind == "scale" else FILL), float(number), float(low), float(high))
+
+
+def _evaluated(expression: ast.Expression, values: dict[str, Any]) -> Any:
+    """An arithmetic expression of numbers (``forms`` read it so), or None where it raises."""
+    try:
+        return eval(compile(expression, "<number>", "eval"), {"__builtins__": {}}, dict(values))
+    except Exception:  # noqa: BLE001 - Python raises the same on the request
+        return None
 
 
 _UNPACKED = Unlowered(

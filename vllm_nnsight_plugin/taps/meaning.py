@@ -33,6 +33,7 @@ from __future__ import annotations
 import ast
 import builtins
 import copy
+import dis
 import functools
 import inspect
 import textwrap
@@ -692,3 +693,89 @@ def _straight_def(source: str, name: str) -> ast.FunctionDef | None:
     if any(isinstance(n, forbidden) for s in definition.body for n in ast.walk(s)):
         return None
     return definition
+
+
+#: What a condition decided at admission may be built from.
+_DECIDABLE = (
+    ast.Expression, ast.Compare, ast.BoolOp, ast.UnaryOp, ast.Name, ast.Constant, ast.Load,
+    ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.Is, ast.IsNot, ast.In, ast.NotIn,
+    ast.And, ast.Or, ast.Not, ast.Tuple,
+)  # fmt: skip
+#: Captured values such a condition may read: immutable, compared without code of their own.
+_SETTLED = (type(None), bool, int, float, str)
+
+
+def folded(source: str, scope: dict[str, Any]) -> str | None:
+    """``source`` with each ``if`` whose condition reads only captured plain
+    values (None, booleans, numbers, strings) that the block never rebinds
+    replaced by the branch it takes (``if index is not None:`` inside a loop of
+    invokes over ``[None, *range(layers)]``). Such a condition has one value for
+    the whole request, the one it has now, so the block does what the branch
+    does. None where no ``if`` is decided so."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    stored = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
+    changed = False
+
+    def decided(test: ast.expr) -> bool | None:
+        expression = ast.Expression(body=test)
+        if not all(isinstance(n, _DECIDABLE) for n in ast.walk(expression)):
+            return None
+        names = {n.id for n in ast.walk(test) if isinstance(n, ast.Name)}
+        if names & stored or any(type(scope.get(n, _UNSET)) not in _SETTLED for n in names):
+            return None
+        if any(isinstance(n, ast.Constant) and type(n.value) not in _SETTLED for n in ast.walk(test)):
+            return None
+        try:
+            value = eval(
+                compile(expression, "<condition>", "eval"), {"__builtins__": {}}, {n: scope[n] for n in names}
+            )
+        except Exception:  # noqa: BLE001 - Python raises the same on the request
+            return None
+        return value if type(value) is bool else None
+
+    class Fold(ast.NodeTransformer):
+        def visit_If(self, node: ast.If) -> Any:  # noqa: N802
+            nonlocal changed
+            self.generic_visit(node)
+            taken = decided(node.test)
+            if taken is None:
+                return node
+            changed = True
+            return node.body if taken else node.orelse  # a branch not there: the ``if`` goes
+
+    tree = Fold().visit(tree)
+    if not changed:
+        return None
+    for node in ast.walk(tree):  # a loop or ``with`` left with no statement still needs one
+        if not isinstance(node, ast.Module) and getattr(node, "body", None) == []:
+            node.body = [ast.Pass()]
+    ast.fix_missing_locations(tree)
+    return ast.unparse(tree) + "\n"
+
+
+_UNSET = object()
+
+
+#: All a function that returns one constant and does nothing else executes.
+_RETURNS_A_CONSTANT = frozenset({"RESUME", "NOP", "CACHE", "LOAD_CONST", "RETURN_VALUE", "RETURN_CONST"})
+#: Code flags of a function that runs later, or otherwise than called.
+_DEFERRED = (
+    inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR | inspect.CO_ITERABLE_COROUTINE
+)
+
+
+def does_nothing(value: types.FunctionType) -> bool:
+    """Whether a plain function only returns a constant (a placeholder such as
+    ``lambda hidden, residual: None``): read from its bytecode, which needs no
+    source (a lambda's ``getsource`` is the whole line around it). It loads no
+    name, global or attribute and calls nothing, so it reads and writes nothing."""
+    code = value.__code__
+    if code.co_names or code.co_freevars or code.co_cellvars or code.co_flags & _DEFERRED:
+        return False
+    try:
+        return {i.opname for i in dis.get_instructions(code)} <= _RETURNS_A_CONSTANT
+    except Exception:  # noqa: BLE001 - bytecode this reading does not know: it may do anything
+        return False

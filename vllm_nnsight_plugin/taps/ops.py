@@ -16,7 +16,11 @@ value; the others are the edit's numbers):
   (bounds of 0 and 0 remove the direction, as ``hidden -= c * u``). The tensor
   operations compute ``c`` for a request's rows together, as the block's own
   matrix product does (on a CPU, bit for bit); the kernel sums in float32 in
-  its own order.
+  its own order;
+- 3 and 4, the value scaled or filled on columns ``how[slot, 2]`` up to
+  ``how[slot, 3]``: ``hidden * how[slot, 1]`` (the number in float32, the
+  product rounded to ``hidden``'s dtype, as ``hidden[:] *= s`` does), or
+  ``how[slot, 1]`` itself (``hidden[:] = c``); the bank row is not read.
 
 ``torch.ops.vllm_nnsight.keep(first, second, codes, dest, store, site)`` writes
 row ``r`` of ``first`` (code 1), of ``second`` (code 2) or of ``first + second``
@@ -102,7 +106,7 @@ def forget_seen(slots: torch.Tensor, codes: torch.Tensor | None = None) -> None:
 
 
 #: ``how[slot, 0]``: the edit an entry of the bank makes.
-ADD, PROJECT, PROJECT_STREAM = 0, 1, 2
+ADD, PROJECT, PROJECT_STREAM, SCALE, FILL = 0, 1, 2, 3, 4
 
 
 @torch.library.custom_op(f"{NAMESPACE}::steer", mutates_args=())
@@ -123,13 +127,28 @@ def steer(
     hit = (mode == ADD).unsqueeze(-1)
     added = hidden.float() + bank.index_select(0, safe)
     out = torch.where(hit, added.to(hidden.dtype), hidden)
+    if hidden.is_cuda or bool((mode >= SCALE).any()):  # on CUDA no host sync (graphs): masked
+        out = _changed_rows(out, hidden, mode, safe, how)
     if second.shape != hidden.shape:
         return out
-    if hidden.is_cuda:  # no host sync (graphs): every row, masked
+    if hidden.is_cuda:  # every row, masked
         return _projected_rows(out, hidden, second, mode, safe, bank, how)
-    if not bool((mode > ADD).any()):
+    if not bool(((mode == PROJECT) | (mode == PROJECT_STREAM)).any()):
         return out
     return _projected_runs(out, hidden, second, mode.tolist(), index.tolist(), bank, how)
+
+
+def _changed_rows(
+    out: torch.Tensor, hidden: torch.Tensor, mode: torch.Tensor, safe: torch.Tensor, how: torch.Tensor
+) -> torch.Tensor:
+    """The rows scaled or filled, on their columns."""
+    limits = how.index_select(0, safe)
+    columns = torch.arange(hidden.shape[-1], device=hidden.device, dtype=torch.float32)
+    inside = (columns >= limits[:, 2:3]) & (columns < limits[:, 3:4])
+    number = limits[:, 1:2]
+    scaled = (hidden.float() * number).to(hidden.dtype)
+    changed = torch.where((mode == SCALE).unsqueeze(-1), scaled, number.to(hidden.dtype))
+    return torch.where(((mode == SCALE) | (mode == FILL)).unsqueeze(-1) & inside, changed, out)
 
 
 _INF = float("inf")
@@ -152,7 +171,7 @@ def _projected_runs(
         end = row + 1
         while end < rows and index[end] == index[row] and mode[end] == mode[row]:
             end += 1
-        if mode[row] > ADD:
+        if mode[row] in (PROJECT, PROJECT_STREAM):
             slot = index[row]
             u = bank[slot].to(hidden.dtype)
             part = hidden[row:end]
@@ -182,7 +201,7 @@ def _projected_rows(
     limits = how.index_select(0, safe).to(hidden.dtype)
     held = torch.minimum(torch.maximum(c, limits[:, 1]), limits[:, 2])
     projected = hidden - (c - held)[:, None] * u
-    return torch.where((mode > ADD).unsqueeze(-1), projected, out)
+    return torch.where(((mode == PROJECT) | (mode == PROJECT_STREAM)).unsqueeze(-1), projected, out)
 
 
 @steer.register_fake
@@ -323,7 +342,8 @@ if triton is not None:
         mode = tl.where(slot >= 0, tl.load(how + entry * 4).to(tl.int32), -1)
         dtype = hidden.dtype.element_ty
         delta = 0.0
-        if mode > 0:  # a direction removed or clamped: first c = s @ u, rounded
+        projects = (mode == 1) | (mode == 2)
+        if projects:  # a direction removed or clamped: first c = s @ u, rounded
             total = 0.0
             for start in range(0, H, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
@@ -347,10 +367,18 @@ if triton is not None:
             if mode == 0:  # hidden.float() + bank[slot], rounded once
                 added = h.to(tl.float32) + tl.load(bank + entry * H + offs, mask=mask)
                 h = added.to(h.dtype)
-            elif mode > 0:  # hidden - round(delta * u), rounded
+            elif projects:  # hidden - round(delta * u), rounded
                 u = tl.load(bank + entry * H + offs, mask=mask).to(dtype).to(tl.float32)
                 push = (delta * u).to(dtype).to(tl.float32)
                 h = (h.to(tl.float32) - push).to(h.dtype)
+            elif mode > 2:  # scaled (3) or filled (4) on columns [low, high)
+                number = tl.load(how + entry * 4 + 1)
+                low = tl.load(how + entry * 4 + 2)
+                high = tl.load(how + entry * 4 + 3)
+                inside = (offs.to(tl.float32) >= low) & (offs.to(tl.float32) < high)
+                scaled = (h.to(tl.float32) * number).to(h.dtype)
+                filled = (tl.zeros_like(h.to(tl.float32)) + number).to(h.dtype)
+                h = tl.where(inside, tl.where(mode == 3, scaled, filled), h)
             tl.store(out + row * H + offs, h, mask=mask)
             if code != 0:  # 1 the output, 2 the second value, 3 their sum, 4 both
                 if KEEPS == 2:  # a tensor's tap: its second value is the edited one

@@ -40,10 +40,12 @@ from __future__ import annotations
 
 import ast
 import functools
+import types
 from typing import Any
 
 from .forms import Index, _module_path
 from .lower import Unlowered, _is_envoy, _site
+from .meaning import does_nothing
 
 #: Stands for the root of a location read on something that is not a name.
 _STRAY = "\x00"
@@ -471,7 +473,10 @@ class _Views:
         value itself, or a module of the model called on it alone (a norm with a
         residual adds into it in place)."""
         if isinstance(func, ast.Name):
-            return func.id in _READING_BUILTINS and func.id not in self.scope
+            if func.id not in self.scope:
+                return func.id in _READING_BUILTINS
+            value = self.scope[func.id]  # a placeholder (``lambda hidden, residual: None``)
+            return type(value) is types.FunctionType and does_nothing(value)
         if isinstance(func, ast.Attribute) and self.is_view(func.value):
             return not func.attr.endswith("_")
         root: ast.AST = func

@@ -11,6 +11,7 @@ import hashlib
 from collections.abc import Callable
 from typing import Any
 
+from ..taps.meaning import folded
 from ..versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT
 from ..wire.envelope import EXTRA_ARGS_KEY, EnvelopeError, Limits, open_envelope
 from ..wire.trust import LOCAL_SIGNATURE_KEY, UntrustedBlockError, check_local
@@ -89,6 +90,9 @@ def read(mediator: Any, model: Any) -> None:
     """Note on a loaded block what its source shows: whether it may ask for a module
     location (``reach.py``) and whether it may write into the forward (``writes.py``)."""
     source, scope = nns.block_source(mediator), nns.block_scope(mediator)
+    # An ``if`` on captured plain values takes one branch for the whole request:
+    # what the block reaches and writes is what that branch does.
+    source = (folded(source, scope) or source) if source else source
     mediator.needs_forward = needs_forward(source, scope, model, nns.InterleavingTracer)
     mediator.may_write = may_write(source, scope, model, nns.InterleavingTracer)
 

@@ -37,7 +37,9 @@ class Lowering:
     def __init__(self, runner: Any) -> None:
         self.runner = runner
         self.count = 0
-        self.by_form = {"steer": 0, "project": 0, "keep": 0, "read": 0, "cache": 0, "replay": 0}
+        self.by_form = {
+            "steer": 0, "project": 0, "scale": 0, "fill": 0, "keep": 0, "read": 0, "cache": 0, "replay": 0
+        }  # fmt: skip
         self.known: OrderedDict[bytes, Any] = OrderedDict()
         #: blocks served at the sampler, by digest: the taps each reads (its
         #: source need not be read again for the next request that carries it)
@@ -60,6 +62,7 @@ class Lowering:
         express; ``rows`` is how many token rows its first step has, ``most`` how
         many it can have (0: unknown); ``digest`` names its block's bytes."""
         from ..taps.lower import Unlowered, for_request, lower
+        from ..taps.meaning import folded
         from . import _nnsight as nns
 
         mediator = request.mediator
@@ -73,16 +76,11 @@ class Lowering:
         if digest is not None and digest in self.served:
             self.served.move_to_end(digest)
             return self._replay(request, tables, model, most, None, digest, self.served[digest])
-        block = lower(
-            nns.block_source(mediator),
-            nns.block_scope(mediator),
-            model,
-            nns.InterleavingTracer,
-            tables,
-            seams.model_dtype(self.runner),
-        )
+        source, scope = nns.block_source(mediator), nns.block_scope(mediator)
+        source = (folded(source, scope) or source) if source else source  # its ``if``s decided
+        block = lower(source, scope, model, nns.InterleavingTracer, tables, seams.model_dtype(self.runner))
         if isinstance(block, Unlowered):
-            rest = self._split(request, tables, model, block)
+            rest = self._split(request, tables, model, block, source)
             if isinstance(rest, Unlowered):
                 return self._replay(request, tables, model, most, rest, digest)
             block, rest_mediator = rest
@@ -107,18 +105,21 @@ class Lowering:
         self.unloaded += added
         return added
 
-    def _split(self, request: Any, tables: Any, model: Any, why: Any) -> tuple[Any, Any] | Any:
-        """A block whose statements on taps are one of the forms, beside statements
-        the sampler serves: the first part lowered, the rest left to Python there
-        (``taps.forms.split``). Where it has no such split, why it runs as Python:
-        ``why``, or its part on the taps' reason."""
+    def _split(
+        self, request: Any, tables: Any, model: Any, why: Any, source: str | None
+    ) -> tuple[Any, Any] | Any:
+        """A block (``source``: its own, or with its ``if``s decided) whose statements
+        on taps are one of the forms, beside statements the sampler serves: the
+        first part lowered, the rest left to Python there (``taps.forms.split``).
+        Where it has no such split, why it runs as Python: ``why``, or its part on
+        the taps' reason."""
         from ..taps.forms import split
         from ..taps.lower import Unlowered, lower
         from . import _nnsight as nns
         from .admit import read
 
         mediator = request.mediator
-        source, scope = nns.block_source(mediator), nns.block_scope(mediator)
+        scope = nns.block_scope(mediator)
         parts = split(source) if source else None
         block = None
         if parts is not None:
@@ -197,11 +198,16 @@ class Lowering:
     def _add(self, request: Any, tables: Any, block: Any, rows: int, most: int, rest: Any = None) -> bool:
         """Put a request on the tables; ``rest``: the mediator of its statements left
         to Python at the sampler, which replaces its own (None: nothing is left)."""
+        from ..taps.kept import picks_a_row
         from ..taps.lower import fits
 
         lowered = block.lowered
         why = None
         room = (rows if lowered.single else most) * lowered.stride if lowered.code else 0
+        if lowered.code and picks_a_row(lowered) and lowered.stop is not None:
+            # one row a step, and none after its window's last step (a recompute's
+            # forwards count as steps): the window's rows are all it can keep
+            room = min(room, max(1, lowered.stop - lowered.start) * lowered.stride)
         if not fits(block, rows):
             why = OUT_OF_RANGE
         elif not lowered.code and self.reads_are_copies:

@@ -65,7 +65,50 @@ def name_uses(source: str) -> dict[str, frozenset[str]] | None:
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and id(node) not in read_through:
             uses.setdefault(node.id, set()).add("")
-    return {name: frozenset(attrs) for name, attrs in uses.items()}
+    own = _loop_names(tree)
+    return {name: frozenset(attrs) for name, attrs in uses.items() if name not in own}
+
+
+def _loop_names(tree: ast.AST) -> frozenset[str]:
+    """Names the block binds itself before every use: a loop's or a
+    comprehension's variable used nowhere but in that loop's body or that
+    comprehension (``for step in tracer.iter[:6]: if step == 0: ...``). A value of
+    the same name captured from the caller's frame is never read by the block."""
+    binders: dict[str, list[set[int]]] = {}  # name -> the Name nodes each binder covers
+
+    def cover(name: str, nodes: list[ast.AST]) -> None:
+        covered = {
+            id(n) for node in nodes for n in ast.walk(node) if isinstance(n, ast.Name) and n.id == name
+        }
+        binders.setdefault(name, []).append(covered)
+
+    def targets(target: ast.AST) -> list[str]:
+        if isinstance(target, ast.Name):
+            return [target.id]
+        if isinstance(target, (ast.Tuple, ast.List)):
+            names = [targets(t) for t in target.elts]
+            return [] if any(not n for n in names) else [x for n in names for x in n]
+        return []  # a starred, attribute or subscript target: not followed
+
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.For, ast.AsyncFor)):
+            for name in targets(node.target):  # its body, never its ``else``
+                cover(name, [node.target, *node.body])
+        elif isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)):
+            results = [node.key, node.value] if isinstance(node, ast.DictComp) else [node.elt]
+            for i, generator in enumerate(node.generators):
+                later = [g for g in node.generators[i + 1 :] for g in (g.iter, g.target, *g.ifs)]
+                for name in targets(generator.target):
+                    cover(name, [generator.target, *generator.ifs, *later, *results])
+    own = set()
+    for name, covers in binders.items():
+        every = {id(n) for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id == name}
+        deleted = any(
+            isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Del) for n in ast.walk(tree)
+        )
+        if not deleted and every <= set().union(*covers):
+            own.add(name)
+    return frozenset(own)
 
 
 def _library(value: Any) -> bool:
