@@ -588,6 +588,22 @@ def test_a_steer_of_one_row_points_only_that_row_of_each_step_at_its_vector():
     assert torch.equal(out, torch.tensor([[2.0] * 4, [1.0] * 4, [3.0] * 4]))
 
 
+def test_a_steer_of_the_last_rows_points_those_rows_of_each_step_at_its_vector():
+    """``hidden[-2:] += v``: the prompt's last two rows, then each step's one row."""
+    tables = TapTables(("model.layers.0",), max_tokens=16, hidden=4, entries=4, device="cpu")
+    two, three = steering(0, 0, None), steering(0, 0, None)
+    two.select, three.select = slice(-2, None), slice(-3, None)
+    assert tables.add("two", two, torch.ones(4)) and tables.add("three", three, torch.full((4,), 2.0))
+    tables.fill(["two", "three"], bounds([0, 5], [5, 2]))  # prompts of 5 and 2 rows
+    want = torch.full((1, 16), -1, dtype=torch.int32)
+    want[0, 3:5], want[0, 5:7] = two.entry, three.entry  # all of a prompt shorter than k
+    assert torch.equal(tables.slots, want)
+    tables.fill(["three", "two"], bounds([0, 1], [1, 1]))
+    want = torch.full((1, 16), -1, dtype=torch.int32)
+    want[0, :2] = torch.tensor([three.entry, two.entry])
+    assert torch.equal(tables.slots, want)
+
+
 def test_one_operation_a_tap_computes_what_steer_and_keep_do():
     """``ops.tap`` (chosen with ``VLLM_NNSIGHT_TAP_KERNEL=1``; one kernel on CUDA,
     ``tests/gpu/test_gpu_kernel.py``) on the tables' own layout: every keep code,

@@ -449,3 +449,65 @@ def test_an_if_on_captured_plain_values_takes_its_branch_at_admission():
     assert folded("if len(xs) > 0:\n    a = 1\n", {"xs": (1,)}) is None
     assert folded("if h.norm() > 1:\n    h[:] *= 0.5\n", {"h": torch.ones(2)}) is None
     assert folded("if n > m:\n    a = 1\n", {"n": 3}) is None  # not captured
+
+
+# ---------------------------------------------------------------- rows chosen by a mask
+MASKED = (
+    "for _ in tracer.iter[:8]:\n"
+    "    for index in (8, 10, 12):\n"
+    "        hidden = model.model.layers[index].output[0]\n"
+    "        rows = torch.zeros(hidden.shape[0], dtype=torch.bool)\n"
+    "        rows[-2:] = True\n"
+    "        hidden[rows] += 1.5 * direction.to(hidden)\n"
+)
+
+
+def test_rows_chosen_by_a_mask_of_the_last_k_are_those_rows():
+    form = read_form(MASKED)
+    assert form is not None and form.select == slice(-2, None) and form.masks
+    assert form.over == ("index", (8, 10, 12))
+    for other in (
+        MASKED.replace("rows[-2:] = True", "rows[:2] = True"),  # the first rows: not every step's
+        MASKED.replace("rows[-2:] = True", "rows[-2:] = 1"),
+        MASKED.replace("dtype=torch.bool", "dtype=torch.int64"),
+        MASKED.replace("hidden.shape[0]", "hidden.shape[1]"),
+        MASKED.replace("hidden[rows] +=", "kept = hidden[rows]\n        hidden[rows] +="),  # read too
+        MASKED.replace("        rows[-2:] = True\n", ""),
+    ):
+        found = read_form(other)
+        assert found is None or found.select != slice(-2, None), other
+
+
+def masked_steer(model, direction):
+    with model.trace(PROMPT, temperature=0.0, max_tokens=4, logprobs=3) as tracer:
+        for _ in tracer.iter[:4]:
+            hidden = model.model.layers[10].output[0]
+            rows = torch.zeros(hidden.shape[0], dtype=torch.bool)
+            rows[-2:] = True  # the prompt's last two rows, then each new row
+            hidden[rows] += 6.0 * direction.to(hidden)
+        out = tracer.result.save()
+    return out
+
+
+def masked_steer_python(model, direction):
+    with model.trace(PROMPT, temperature=0.0, max_tokens=4, logprobs=3) as tracer:
+        for _ in tracer.iter[:4]:
+            model.model.embed_tokens.output.clone()  # no tap: the block runs as Python
+            hidden = model.model.layers[10].output[0]
+            rows = torch.zeros(hidden.shape[0], dtype=torch.bool)
+            rows[-2:] = True
+            hidden[rows] += 6.0 * direction.to(hidden)
+        out = tracer.result.save()
+    return out
+
+
+def test_a_steer_of_the_last_rows_by_a_mask_is_lowered_and_equals_the_python_path_bit_for_bit(
+    smollm2_llm, smol
+):
+    torch.manual_seed(12)
+    direction = torch.randn(576)
+    got, want = masked_steer(smol, direction), masked_steer_python(smol, direction)
+    assert got.nnsight_path["form"] == "steer" and not want.nnsight_path["lowered"]
+    same_generation([got], [want])
+    plain = smollm2_llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    assert list(plain[0].outputs[0].token_ids) != list(got.outputs[0].token_ids)  # it steered

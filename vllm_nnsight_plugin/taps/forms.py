@@ -108,6 +108,9 @@ class Form:
     #: columns or None for all: ("slice", low, high) or ("index", i), each an
     #: ``ast.Expression`` or None); ``vector`` is then the number
     change: tuple | None = None
+    #: its rows were chosen with a mask built by ``torch.zeros`` (``meaning.py``):
+    #: ``torch`` must be torch itself
+    masks: bool = False
 
     @property
     def cache(self) -> bool:
@@ -334,15 +337,18 @@ def _indexes_layers(tap: tuple, name: str) -> bool:
     )
 
 
-def _edited(target: ast.expr, bare: bool) -> tuple[ast.expr, int | None] | None:
-    """What an in-place addition writes -> (the value, the row of each step or None
+def _edited(target: ast.expr, bare: bool) -> tuple[ast.expr, Any] | None:
+    """What an in-place addition writes -> (the value, the rows of each step or None
     for every row): ``X[:]`` (or ``X`` itself, where ``bare``) every row,
-    ``X[-1]`` or ``X[0]`` one row of each step, which every step has."""
+    ``X[-1]`` or ``X[0]`` one row of each step, which every step has, ``X[-k:]``
+    the last ``k`` rows of each step (all of a step with fewer)."""
     if _is_full_slice(target):
         return target.value, None
     if isinstance(target, ast.Subscript):
         index = _constant_index(target.slice)
         if type(index) is int and index in _EVERY_STEP_ROWS:
+            return target.value, index
+        if type(index) is slice and index.stop is None and type(index.start) is int and index.start < 0:
             return target.value, index
         return None
     return (target, None) if bare else None

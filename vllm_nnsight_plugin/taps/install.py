@@ -43,6 +43,17 @@ __all__ = ["Lowered", "TapTables", "install"]
 _NEVER = np.iinfo(np.int64).max  # the stop of ``tracer.all()``
 #: The row of each step a keep of one row picks (``<kept>[-1]``, ``<kept>[0]``) -> its code.
 _PICKS = {-1: 1, 0: 2}
+#: An edit of each step's last k rows (``hidden[-k:]``).
+_LAST_ROWS = 3
+
+
+def _pick(lowered: Lowered) -> tuple[int, int]:
+    """(which rows of each step, k of the last k) for a request's entries."""
+    if not picks_a_row(lowered):
+        return 0, 0
+    if type(lowered.select) is slice:
+        return _LAST_ROWS, -lowered.select.start
+    return _PICKS[lowered.select], 0
 
 
 class TapTables:
@@ -108,7 +119,9 @@ class TapTables:
         self._room = np.zeros(entries, dtype=np.int64)  # rows its region holds
         self._stride = np.ones(entries, dtype=np.int64)  # store rows per kept token row
         self._first = np.zeros(entries, dtype=np.int64)  # rows of its first forward
-        self._pick = np.zeros(entries, dtype=np.int64)  # keeps all its rows (0), the last (1), the first (2)
+        # keeps or edits all its rows (0), the last (1), the first (2), the last k (3)
+        self._pick = np.zeros(entries, dtype=np.int64)
+        self._last = np.zeros(entries, dtype=np.int64)  # the k of the last k rows
         #: keeps each step's rows at the start of its region, over the last step's
         #: (a block served them at the sampler: ``replay.py``)
         self._ring = np.zeros(entries, dtype=bool)
@@ -130,6 +143,7 @@ class TapTables:
             self._stride,
             self._first,
             self._pick,
+            self._last,
             self._ring,
         )
         self._lowered: list[Lowered | None] = [None] * entries
@@ -181,7 +195,7 @@ class TapTables:
         self._steps[entry] = self._done[entry] = self._first[entry] = 0
         self._base[entry], self._room[entry] = lowered.base, lowered.rows
         self._stride[entry] = lowered.stride
-        self._pick[entry] = _PICKS[lowered.select] if picks_a_row(lowered) else 0
+        self._pick[entry], self._last[entry] = _pick(lowered)
         self._ring[entry] = lowered.replay
         self.requests[request_id] = lowered
         self._entry_of[request_id] = entry
@@ -337,8 +351,13 @@ class TapTables:
         kind, site, pick = self._kind[each], self._site[each], self._pick[each]
         chosen = None
         if pick.any():  # blocks on one row of each step: the last, or the first
-            last = within == np.repeat(counts, counts) - 1
-            chosen = (pick == 0) | ((pick == 1) & last) | ((pick == 2) & (within == 0))
+            before_end = np.repeat(counts, counts) - within  # 1 on a step's last row
+            chosen = (
+                (pick == 0)
+                | ((pick == 1) & (before_end == 1))
+                | ((pick == 2) & (within == 0))
+                | ((pick == 3) & (before_end <= self._last[each]))
+            )
         if chosen is None:
             table[slab, kind, site] = self._value[each]
         else:  # a steer of one row leaves the others' slots at -1

@@ -126,6 +126,8 @@ def lower(
         return _not_a_form(source, scope, model, tables)
     if form.tracer is not None and not isinstance(scope.get(form.tracer), tracer_type):
         return Unlowered("form", f"`{form.tracer}` is not the trace's tracer")
+    if form.masks and scope.get("torch") is not torch:
+        return Unlowered("form", "it builds its row mask with a `torch` that is not torch")
     also: tuple[int, ...] = ()
     if form.over is not None:
         found = _layers(form, scope, model, tables)
@@ -269,7 +271,7 @@ def read_form(source: str) -> Form | None:
         found = canonical(source)
         form = None if found is None else block_form(found.source)
         if form is not None:
-            form = dataclasses.replace(form, unpacks=found.unpacks, project=found.project)
+            form = dataclasses.replace(form, unpacks=found.unpacks, project=found.project, masks=found.masks)
     return form
 
 
@@ -382,7 +384,7 @@ def _vector(form: Form, scope: dict[str, Any], width: int, dtype: torch.dtype, d
     if not (
         type(vector) is torch.Tensor
         # ``[1, width]`` added in place to one row does not broadcast: Python raises
-        and tuple(vector.shape) in (((width,), (1, width)) if form.select is None else ((width,),))
+        and tuple(vector.shape) in (((width,),) if type(form.select) is int else ((width,), (1, width)))
         and vector.device == device
         and vector.dtype in (dtype, torch.float32)
         and dtype in (torch.float32, torch.bfloat16, torch.float16)

@@ -61,6 +61,9 @@ class Canonical:
     #: (whether it reads the stream, the lower and upper bound as written, or
     #: None for none; both None and not clamped: removed)
     project: tuple[bool, ast.expr | None, ast.expr | None, bool] | None = None
+    #: it chose rows with a mask built by ``torch.zeros`` (``rows[-2:] = True``):
+    #: ``torch`` must be torch itself
+    masks: bool = False
 
 
 @dataclass(frozen=True)
@@ -112,8 +115,9 @@ def canonical(source: str) -> Canonical | None:
     tail: list[ast.stmt] = []
     if len(body) >= 2 and _result_save(body[-1]) is not None:
         body, tail = body[:-1], [body[-1]]
+    masks = _Masks()
     try:
-        rewritten = _Rewrite(body).block()
+        rewritten = _Rewrite(masks.statements(body)).block()
     except _Unfollowed:
         return None
     if rewritten is None:
@@ -121,7 +125,100 @@ def canonical(source: str) -> Canonical | None:
     statements, unpacks, project = rewritten
     module = ast.Module(body=[*statements, *tail], type_ignores=[])
     ast.fix_missing_locations(module)
-    return Canonical(ast.unparse(module) + "\n", unpacks, project)
+    return Canonical(ast.unparse(module) + "\n", unpacks, project, masks.found)
+
+
+class _Masks:
+    """Rows chosen by a mask of the last ``k`` (``rows = torch.zeros(hidden.shape[0],
+    dtype=torch.bool)``, then ``rows[-k:] = True``, used only as ``hidden[rows]``)
+    become ``hidden[-k:]``: the same rows (on a step of fewer than ``k`` rows, all
+    of them), and the same arithmetic on each element."""
+
+    def __init__(self) -> None:
+        self.found = False
+
+    def statements(self, body: list[ast.stmt]) -> list[ast.stmt]:
+        out: list[ast.stmt] = []
+        i = 0
+        while i < len(body):
+            statement = body[i]
+            if isinstance(statement, ast.For):
+                statement = copy.copy(statement)
+                statement.body = self.statements(statement.body)
+            found = self._mask(statement, body[i + 1]) if i + 1 < len(body) else None
+            if found is None:
+                out.append(statement)
+                i += 1
+                continue
+            name, value, last = found
+            rest = body[i + 2 :]
+            uses = [n for s in rest for n in ast.walk(s) if isinstance(n, ast.Name) and n.id == name]
+            picks = [
+                n
+                for s in rest
+                for n in ast.walk(s)
+                if isinstance(n, ast.Subscript)
+                and isinstance(n.value, ast.Name)
+                and n.value.id == value
+                and isinstance(n.slice, ast.Name)
+                and n.slice.id == name
+                and isinstance(n.ctx, ast.Store)  # edited (a read would be a copy, not a view)
+            ]
+            if not picks or len(picks) != len(uses) or any(isinstance(n.ctx, ast.Store) for n in uses):
+                raise _Unfollowed  # the mask is used some other way
+            for pick in picks:
+                pick.slice = ast.Slice(lower=ast.UnaryOp(op=ast.USub(), operand=ast.Constant(last)))
+            self.found = True
+            i += 2
+        return out
+
+    @staticmethod
+    def _mask(first: ast.stmt, second: ast.stmt) -> tuple[str, str, int] | None:
+        """(the mask's name, the value it is as long as, k) for the two statements."""
+        name = _assigned(first)
+        call = first.value if name is not None else None
+        if not (
+            isinstance(call, ast.Call)
+            and ast.unparse(call.func) == "torch.zeros"
+            and len(call.args) == 1
+            and len(call.keywords) == 1
+            and call.keywords[0].arg == "dtype"
+            and ast.unparse(call.keywords[0].value) == "torch.bool"
+        ):
+            return None
+        length = call.args[0]
+        if not (
+            isinstance(length, ast.Subscript)
+            and isinstance(length.slice, ast.Constant)
+            and length.slice.value == 0
+            and isinstance(length.value, ast.Attribute)
+            and length.value.attr == "shape"
+            and isinstance(length.value.value, ast.Name)
+        ):
+            return None
+        if not (
+            isinstance(second, ast.Assign)
+            and len(second.targets) == 1
+            and isinstance(second.targets[0], ast.Subscript)
+            and isinstance(second.targets[0].value, ast.Name)
+            and second.targets[0].value.id == name
+            and isinstance(second.value, ast.Constant)
+            and second.value.value is True
+        ):
+            return None
+        rows = second.targets[0].slice
+        if not (isinstance(rows, ast.Slice) and rows.upper is None and rows.step is None):
+            return None
+        low = rows.lower
+        if not (
+            isinstance(low, ast.UnaryOp)
+            and isinstance(low.op, ast.USub)
+            and isinstance(low.operand, ast.Constant)
+            and type(low.operand.value) is int
+            and low.operand.value > 0
+        ):
+            return None
+        return name, length.value.value.id, low.operand.value
 
 
 class _Rewrite:
