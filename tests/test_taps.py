@@ -75,6 +75,9 @@ def test_the_steering_loop_forms_are_recognised(source):
         ("for _ in tracer.iter[:3]:\n    layer.output[0][0] += v\n", 0),
         ("for _ in tracer.iter[:3]:\n    layer.mlp.output[-1] += v\n", -1),  # a tensor's last row
         ("h = layer.output[0]\nh[-1] += v\nout = tracer.result.save()\n", -1),  # the first step only
+        # the last k rows of each step (all of a step with fewer)
+        ("for _ in tracer.iter[:3]:\n    h = layer.output[0]\n    h[-2:] += v\n", slice(-2, None)),
+        ("for _ in tracer.all():\n    layer.output[0][-1:] += v\n", slice(-1, None)),
     ],
 )
 def test_steering_one_row_of_each_step_is_recognised(source, select):
@@ -359,7 +362,7 @@ def test_a_vector_moved_to_the_taps_value_is_worked_out_as_the_block_would():
         "for _ in tracer.iter[:3]:\n    h = layer.output[0]\n    h[:] += v.to(h.shape)\n",
         "for _ in tracer.iter[:3]:\n    h = layer.output[0]\n    h[:] += h\n",
         "for _ in tracer.iter[:3]:\n    h = layer.output[0]\n    h[1] += v\n",  # not on every step
-        "for _ in tracer.iter[:3]:\n    h = layer.output[0]\n    h[-1:] += v\n",
+        "for _ in tracer.iter[:3]:\n    h = layer.output[0]\n    h[1:] += v\n",  # rows not counted from the end
         "for _ in tracer.iter[:3]:\n    h = layer.output[0]\n    h[:, 5] += v\n",
         "for _ in tracer.iter[:3]:\n    h = layer.output[0]\n    g[:] += v\n",
         "for _ in tracer.iter[:3]:\n    h = layer.output[0]\n    h[:] -= v\n",

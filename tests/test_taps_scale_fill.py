@@ -32,6 +32,8 @@ MLP = "model.model.layers[12].mlp"
             None,
             False,
         ),
+        # what a module is handed (an operation's value, where it is a tap)
+        ("model.model.layers[10].self_attn.o_proj.input[:, 64:128] = 0\n", "fill", "slice", None, True),
         # the module's tensor replaced by itself scaled
         (f"out = {MLP}.output\n{MLP}.output = out * 0.5\n", "scale", None, None, True),
         (
@@ -183,6 +185,25 @@ def mlp_halved_python(model):
     return result
 
 
+def head_silenced(model):
+    """One head of layer 10 zeroed where ``o_proj`` takes it, every step (the
+    session engine taps the attention's output before ``o_proj``)."""
+    with model.trace(PROMPT, temperature=0.0, max_tokens=3, logprobs=3) as tracer:
+        for _ in tracer.iter[:3]:
+            model.model.layers[10].self_attn.o_proj.input[:, 2 * 64 : 3 * 64] = 0
+        out = tracer.result.save()
+    return out
+
+
+def head_silenced_python(model):
+    with model.trace(PROMPT, temperature=0.0, max_tokens=3, logprobs=3) as tracer:
+        for _ in tracer.iter[:3]:
+            model.model.embed_tokens.output.clone()
+            model.model.layers[10].self_attn.o_proj.input[:, 2 * 64 : 3 * 64] = 0
+        out = tracer.result.save()
+    return out
+
+
 COLUMN = 7
 
 
@@ -211,8 +232,9 @@ def one_column_set_python(model):
         ((mlp_zeroed, mlp_zeroed_python), "fill"),
         ((mlp_halved, mlp_halved_python), "scale"),
         ((one_column_set, one_column_set_python), "fill"),
+        ((head_silenced, head_silenced_python), "fill"),
     ],
-    ids=["columns scaled", "an MLP zeroed", "an MLP replaced by itself halved", "one column set"],
+    ids=["columns scaled", "an MLP zeroed", "an MLP replaced by itself halved", "one column set", "a head"],
 )
 def test_a_value_scaled_or_filled_is_lowered_and_equals_the_python_path_bit_for_bit(
     smollm2_llm, smol, block, form

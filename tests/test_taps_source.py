@@ -35,6 +35,32 @@ def test_operations_are_nnsights_names_and_a_missing_one_lists_them():
         rewritten_forward(Block, frozenset({"proj_0"}), lambda m, n, v: v)
 
 
+class Attention(torch.nn.Module):
+    """Shaped as vLLM's: the kernel's value named, then handed to ``o_proj``."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn, self.o_proj, self.other = (torch.nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x):
+        attn_output = self.attn(x)
+        output = self.o_proj(attn_output)
+        twice = self.other(x)
+        return output + self.other(twice) + twice
+
+
+def test_a_child_handed_an_operations_value_is_found_from_the_source():
+    from vllm.model_executor.models.llama import LlamaAttention
+
+    from vllm_nnsight_plugin.taps.source import handed_to
+
+    assert handed_to(Attention, "self_attn_0") == "o_proj"
+    assert handed_to(LlamaAttention, "self_attn_0") == "o_proj"  # the model's own forward
+    assert handed_to(Attention, "self_o_proj_0") is None  # returned, not handed on
+    assert handed_to(Attention, "self_other_0") is None  # read twice
+    assert handed_to(Attention, "no_such_0") is None
+
+
 def test_a_rewritten_forward_passes_only_the_tapped_value_through_the_tap():
     seen = []
 

@@ -111,6 +111,9 @@ class Form:
     #: its rows were chosen with a mask built by ``torch.zeros`` (``meaning.py``):
     #: ``torch`` must be torch itself
     masks: bool = False
+    #: it edits ``<tap>.input``, what the module is handed (an operation's value
+    #: in its parent's forward, where that is a tap: ``TapTables.handed``)
+    entry: bool = False
 
     @property
     def cache(self) -> bool:
@@ -170,7 +173,8 @@ def _steering(body: list[ast.stmt]) -> Form | None:
             return None
         read = edit[0]
     _, select, change, number = edit
-    whole = _is_output(read)
+    entry = isinstance(read, ast.Attribute) and read.attr == "input"  # what a module is handed
+    whole = _is_output(read) or entry
     if not whole and _output(read) != 0:
         return None
     tap = _module_path(read.value if whole else read.value.value)
@@ -209,6 +213,7 @@ def _steering(body: list[ast.stmt]) -> Form | None:
         alias=alias,
         over=over,
         change=change,
+        entry=entry,
     )
 
 

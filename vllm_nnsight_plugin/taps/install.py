@@ -79,6 +79,9 @@ class TapTables:
         self.tuple_sites = frozenset(range(len(sites))) if tuple_sites is None else tuple_sites
         #: the tuple sites whose value is always exactly (hidden, residual) (set at install)
         self.pair_sites = self.tuple_sites
+        #: a child module's path -> the operation site whose value its parent's forward
+        #: hands it as its one input (``source.handed_to``; set at install)
+        self.handed: dict[str, int] = {}
         self.hidden = hidden
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
@@ -427,6 +430,11 @@ def install(runner: Any, model: Any) -> TapTables | None:
     tables.pair_sites = frozenset(
         i for i in tuples if returns_tuple(type(model.get_submodule(sites[i])), exactly=2)
     )
+    for i, site in enumerate(sites):  # ``<child>.input`` where an operation's value is handed to it
+        path, operation = split_site(site)
+        child = None if operation is None else source.handed_to(type(model.get_submodule(path)), operation)
+        if child is not None:
+            tables.handed[f"{path}.{child}"] = i
     by_module: dict[str, dict[str | None, int]] = {}
     for site, name in enumerate(sites):
         path, operation = split_site(name)

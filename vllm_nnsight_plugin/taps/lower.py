@@ -142,9 +142,11 @@ def lower(
     start, stop = _number(form.start, scope), _number(form.stop, scope)
     if start is None or (form.stop is not None and stop is None):
         return Unlowered("form", "its steps are not whole numbers read without running code")
-    site = tables.site_of.get(path)
+    site = _tap_site(form, path, tables)
     if site is None:
-        return _not_a_tap(path)
+        return _not_a_tap(path, form.entry)
+    if form.entry:
+        path = tables.sites[site]
     if not tables.means(site, form.whole):
         return Unlowered("form", f"it reads `model.{path}.output` other than as the tap's value")
     if form.unpacks and not {site, *also} <= tables.pair_sites:
@@ -303,9 +305,9 @@ def _layers(
             return Unlowered(
                 "form", f"`{_written(form.tap)}` is not a module of the model found by plain attributes"
             )
-        site = tables.site_of.get(path)
+        site = _tap_site(form, path, tables)
         if site is None:
-            return _not_a_tap(path)
+            return _not_a_tap(path, form.entry)
         if not tables.means(site, form.whole):
             return Unlowered("form", f"it reads `model.{path}.output` other than as the tap's value")
         sites.append(site)
@@ -314,8 +316,18 @@ def _layers(
     return {**scope, name: numbers[0]}, tuple(sites[1:])
 
 
-def _not_a_tap(path: str) -> Unlowered:
+def _not_a_tap(path: str, entry: bool = False) -> Unlowered:
+    if entry:
+        return Unlowered(
+            "not_a_tap", f"it edits `model.{path}.input`, which is no tapped operation's value on this engine"
+        )
     return Unlowered("not_a_tap", f"it reads `model.{path}`, which is not a tap on this engine")
+
+
+def _tap_site(form: Form, path: str, tables: Any) -> int | None:
+    """The tap a block works on: the module's output, or for ``.input`` the
+    operation of its parent's forward whose value the module is handed."""
+    return tables.handed.get(path) if form.entry else tables.site_of.get(path)
 
 
 def _not_a_form(source: str | None, scope: dict[str, Any], model: Any, tables: Any) -> Unlowered:

@@ -809,6 +809,8 @@ def folded(source: str, scope: dict[str, Any]) -> str | None:
     invokes over ``[None, *range(layers)]``). Such a condition has one value for
     the whole request, the one it has now, so the block does what the branch
     does. None where no ``if`` is decided so."""
+    if "if" not in source:  # most blocks: nothing to parse for
+        return None
     try:
         tree = ast.parse(source)
     except SyntaxError:

@@ -206,3 +206,55 @@ def rewritten_forward(cls: type, tapped: frozenset[str], tap: Callable[[Any, str
     built.__qualname__ = forward.__qualname__
     built.__module__ = forward.__module__
     return built
+
+
+def handed_to(cls: type, operation: str) -> str | None:
+    """The child module ``cls.forward`` hands the value of ``operation`` to, by its
+    attribute name, where that is certain from the source: the operation's value
+    is assigned to one name, bound nowhere else in the forward, and read once, as
+    the one argument of ``self.<child>(name)``. That child's ``.input`` is then
+    the operation's value itself (the same tensor), so an edit of either is the
+    same edit (``attention.o_proj.input`` is the attention kernel's output)."""
+    try:
+        definition, _ = _definition(cls)
+    except SourceTapError:
+        return None
+    if operation not in operations(cls):
+        return None
+    from nnsight.intervention.source import Instrument
+
+    definition.decorator_list = []
+    tree = ast.Module(body=[definition], type_ignores=[])
+    Instrument().visit(tree)
+    _Restore(frozenset({operation}), definition.args.args[0].arg).visit(tree)
+    receiver = definition.args.args[0].arg
+    target = None
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Call)
+            and isinstance(node.value.func, ast.Name)
+            and node.value.func.id == TAP
+            and node.value.args[1].value == operation
+        ):
+            if len(node.targets) != 1 or not isinstance(node.targets[0], ast.Name) or target is not None:
+                return None
+            target = node.targets[0].id
+    if target is None:
+        return None
+    uses = [n for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id == target]
+    if sum(isinstance(n.ctx, ast.Store) for n in uses) != 1 or len(uses) != 2:
+        return None
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == receiver
+            and len(node.args) == 1
+            and not node.keywords
+            and isinstance(node.args[0], ast.Name)
+            and node.args[0].id == target
+        ):
+            return node.func.attr
+    return None
