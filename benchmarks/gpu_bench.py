@@ -29,7 +29,8 @@ Engines (MODEL_DIR holds a config and tokenizer; weights are ``load_format="dumm
 length (32), so that no figure depends on one setting.
 ``GPU_BENCH_TAPS`` (patterns, comma-separated) replaces the tapped engines' one
 tap, e.g. ``model.layers.*.output`` for every layer (the jobs still use ``LAYER``).
-``GPU_BENCH_IDLE_ONLY=1`` stops after the plain jobs (what the plugin costs an idle engine).
+``GPU_BENCH_IDLE_ONLY=1`` stops after the plain jobs (what the plugin costs an idle engine);
+``GPU_BENCH_JOBS=patch`` runs the tapped engine's plain jobs, then patching alone.
 ``GPU_BENCH_REAL=1`` loads real weights (e.g. SmolLM2) instead of dummy ones;
 ``GPU_BENCH_SMALL=1`` shrinks everything for a dry run of the script on a CPU.
 
@@ -42,7 +43,10 @@ output at every step (64 x 128), ``steer_docs`` the same as the user docs write 
 (the value named, a scale, a CPU vector moved with ``.to(hidden)``), ``steer_spelled`` the same edit spelled otherwise (unpacked, named, subtracted),
 ``remove`` and ``clamp`` a direction removed, or held at 0.5 or more, at every
 step with the steering page's helpers (64 x 128; ``project_check`` against
-Python), ``ablate`` 128 of the layer's columns zeroed at every step (64 x 128),
+Python), ``ablate`` 128 of the layer's columns zeroed at every step (64 x 128), ``patch``
+the patching page's activation patching (the layer's hidden state and residual at
+one prompt position set to a clean prompt's, 64 invokes x 16 tokens, against
+``plain16``),
 ``steer_draws``
 the steering page's loop whole (that edit, ``tracer.all()``, each step's drawn
 token kept: split, the draws Python at the sampler), ``lens_steps`` the docs' logit
@@ -75,6 +79,7 @@ from pathlib import Path
 
 PROMPT_LEN, TOKENS, CONCURRENT, MANY, SWEEP, WIDE = 32, 128, 64, 1000, 1024, 256
 LAYER = 18
+SHORT = 16  # tokens of the patching job (and its plain baseline): 64 invokes x 16
 # Another layer and prompt length, so that no figure is tuned to one setting.
 LAYER = int(os.environ.get("GPU_BENCH_LAYER", LAYER))
 PROMPT_LEN = int(os.environ.get("GPU_BENCH_PROMPT_LEN", PROMPT_LEN))
@@ -89,7 +94,7 @@ ENGINE = dict(
 if os.environ.get("GPU_BENCH_REAL"):  # a checkpoint with weights (SmolLM2)
     ENGINE.update(load_format="auto")
 if os.environ.get("GPU_BENCH_SMALL"):  # a dry run of the script itself, on a CPU
-    PROMPT_LEN, TOKENS, CONCURRENT, MANY, SWEEP, WIDE, LAYER = 8, 4, 4, 8, 16, 8, 1
+    PROMPT_LEN, TOKENS, CONCURRENT, MANY, SWEEP, WIDE, LAYER, SHORT = 8, 4, 4, 8, 16, 8, 1, 2
     ENGINE.update(
         dtype="float32",
         max_model_len=256,
@@ -201,6 +206,65 @@ def project(model, batch, tokens, change) -> None:
             with tracer.invoke(ids):
                 for _ in tracer.iter[:tokens]:
                     change(layer.output[0], layer.output[1])
+
+
+def clean_rows(model, ids) -> tuple:
+    """The layer's stream at every position of one prompt (what patching restores)."""
+    with model.trace(ids, temperature=0.0, max_tokens=1, detokenize=False):
+        out = model.model.layers[LAYER].output
+        hidden, residual = out[0].clone().save(), out[1].clone().save()
+    return hidden, residual
+
+
+def patch(model, batch, tokens, rows) -> None:
+    """Activation patching as the patching page writes it: each invoke sets the
+    layer's hidden state and residual at one prompt position to the clean
+    prompt's (positions in turn), then generates."""
+    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+        for i, ids in enumerate(batch):
+            position = i % PROMPT_LEN
+            hidden_row, residual_row = (half[position] for half in rows)
+            with tracer.invoke(ids):
+                out = model.model.layers[LAYER].output
+                out[0][position] = hidden_row
+                out[1][position] = residual_row
+
+
+def patch_jobs(model, llm, name: str, repeats: int, few: list) -> None:
+    """``patch`` timed, which path it took, and its tokens against the same block as
+    Python (``patch_check``)."""
+    rows = clean_rows(model, few[0])
+    (before,) = llm.collective_rpc("nnsight_stats")
+    patch(model, few[:4], 4, rows)  # warm-up
+    for _ in range(repeats):
+        batch = unique(CONCURRENT)
+        wall = timed(lambda batch=batch: patch(model, batch, SHORT, rows))
+        result(engine=name, job="patch", tok_s=round(CONCURRENT * SHORT / wall, 1))
+    (after,) = llm.collective_rpc("nnsight_stats")
+    result(
+        engine=name,
+        job="patch_path",
+        patched=after["lowered_by"].get("patch", 0) - before["lowered_by"].get("patch", 0),
+        python=after["python_blocks"] - before["python_blocks"],
+    )
+    lowered, python = patched_tokens(model, few[:8], rows, False), patched_tokens(model, few[:8], rows, True)
+    result(engine=name, job="patch_check", same_tokens=sum(a == b for a, b in zip(lowered, python)), of=8)
+
+
+def patched_tokens(model, batch, rows, python: bool) -> list[list[int]]:
+    """:func:`patch`'s block at the last position, 16 greedy tokens each; as Python
+    (a read of the embedding beside it) or lowered."""
+    hidden_row, residual_row = (half[-1] for half in rows)
+    with model.trace(temperature=0.0, max_tokens=SHORT, ignore_eos=True, detokenize=False) as tracer:
+        for ids in batch:
+            with tracer.invoke(ids):
+                if python:  # decided as the request arrives: a read that is no tap, or none
+                    model.model.embed_tokens.output.clone()
+                stream = model.model.layers[LAYER].output
+                stream[0][-1] = hidden_row
+                stream[1][-1] = residual_row
+                out = tracer.result.save()
+    return [list(o.outputs[0].token_ids) for o in out]
 
 
 def ablate(model, batch, tokens) -> None:
@@ -458,6 +522,10 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
             result(engine=name, job="plain1000", tok_s=round(MANY * TOKENS / plain(unique(MANY)), 1))
         if kind == "taps" or (kind == "graphs" and plugin == "off"):
             result(engine=name, job="plain256", tok_s=round(WIDE * TOKENS / plain(unique(WIDE)), 1))
+            short = SamplingParams(temperature=0.0, max_tokens=SHORT, ignore_eos=True, detokenize=False)
+            batch = unique(CONCURRENT)
+            wall = timed(lambda batch=batch, short=short: llm.generate(batch, short, use_tqdm=False))
+            result(engine=name, job="plain16", tok_s=round(CONCURRENT * SHORT / wall, 1))
     one = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
     # Fresh prompts: a traced request never reads the prefix cache, so its plain
     # counterpart must not either.
@@ -472,6 +540,9 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
     from vllm_nnsight_plugin import VLLM
 
     model = VLLM(llm)
+    if kind == "taps" and os.environ.get("GPU_BENCH_JOBS") == "patch":  # that job alone
+        patch_jobs(model, llm, name, repeats, few)
+        return
     vector = unit_vector(path)
     steer(model, few[:4], 8, vector)  # warm-up: builds the worker's tree
     for _ in range(repeats):  # a median, as for plain
@@ -548,6 +619,7 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
             filled=after["lowered_by"].get("fill", 0) - before["lowered_by"].get("fill", 0),
             python=after["python_blocks"] - before["python_blocks"],
         )
+        patch_jobs(model, llm, name, repeats, few)
         strong = clamp(u, least=8.0)  # held high enough to change greedy tokens
         lowered_ids = project_tokens(model, few[:8], 16, strong)
         python_ids = project_tokens_python(model, few[:8], 16, strong)
@@ -857,6 +929,7 @@ def table(*paths: Path) -> str:
     for (engine, job), values in sorted(by.items()):
         unit = "ms" if job in ("forward", "lens", "trace1", "sweep", "plain_sweep") else "tok/s"
         ref = base1000 if job in ("plain1000", "capture1000") else base
+        ref = median.get(("off-graphs", "plain16")) if job in ("plain16", "patch") else ref
         ref = median.get(("off-graphs", "plain256")) if job in ("plain256", "steer256") else ref
         if engine == "hotwire" and job.startswith("steer"):  # its own idle, as its docs measure
             ref = median.get((engine, "plain256" if job == "steer256" else "plain"))

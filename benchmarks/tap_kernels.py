@@ -62,14 +62,14 @@ def how() -> torch.Tensor:
 def tensor_ops(ops, hidden, residual, table, bank, store):
     slots, codes, dest = (table[:, part].t() for part in range(3))
     for site in range(SITES):
-        hidden = ops.steer(hidden, residual, slots, bank, how(), site)
+        hidden = ops.steer_pair(hidden, residual, slots, bank, how(), site)
         ops.keep(hidden, residual, codes, dest, store, site)
     return hidden
 
 
 def kernel(ops, hidden, residual, table, bank, store):
     for site in range(SITES):
-        hidden = ops.tap(hidden, residual, table, bank, how(), store, site, 1)
+        hidden = ops.tap_pair(hidden, residual, table, bank, how(), store, site)
     return hidden
 
 

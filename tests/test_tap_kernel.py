@@ -19,7 +19,7 @@ CHECK = r"""
 import sys
 import torch
 from vllm_nnsight_plugin.taps import ops
-from tests.gpu.test_gpu_kernel import busy_tables, check_against_the_tensor_operations, projected_rows
+from tests.gpu.test_gpu_kernel import busy_tables, check_against_the_tensor_operations, patched_rows, projected_rows
 
 assert ops._kernel() is not None
 dtype = getattr(torch, sys.argv[1])
@@ -32,11 +32,13 @@ for width in (576, 100):
             hidden = torch.randn((rows, width), generator=generator).to(dtype)
             residual = torch.randn((rows, width), generator=generator).to(dtype)
 
-            def launch(keeps, store):
-                return ops.launch(ops._kernel(), hidden, residual, table, bank, edits, store, site, keeps)
+            def launch(keeps, store, residual):
+                return ops.launch(
+                    ops._kernel(), hidden, residual, table, bank, edits, store, site, keeps, keeps == 1
+                )
 
             check_against_the_tensor_operations(hidden, residual, table, bank, edits, site, dtype, launch)
-    assert bool(projected_rows(table, how, 0, rows).any())
+    assert bool(projected_rows(table, how, 0, rows).any()) and bool(patched_rows(table, how, 0, rows).any())
 print("same")
 """
 

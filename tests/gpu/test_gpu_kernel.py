@@ -36,6 +36,8 @@ def busy_tables(rows: int, width: int, sites: int, generator: torch.Generator, d
     how[8:12] = torch.tensor(
         [[3.0, 1.5, 0.0, width], [3.0, -0.3, 10.0, 50.0], [4.0, 0.0, 0.0, width], [4.0, 2.5, 64.0, 128.0]]
     )
+    # and before those, rows patched: both values, the hidden state's only, the residual's only
+    how[5:8] = torch.tensor([[5.0, 5.0, 2.0, 0.0], [5.0, 3.0, -1.0, 0.0], [5.0, -1.0, 4.0, 0.0]])
     return table.to(device), bank.to(device), how.to(device)
 
 
@@ -52,21 +54,34 @@ def projected_rows(table, how, site: int, rows: int) -> torch.Tensor:
     return (slots >= 0) & ((mode == ops.PROJECT) | (mode == ops.PROJECT_STREAM))
 
 
+def patched_rows(table, how, site: int, rows: int) -> torch.Tensor:
+    """The rows at ``site`` whose entry patches them."""
+    slots = table[:rows, 0, site].long()
+    return (slots >= 0) & (how[slots.clamp(min=0), 0] == ops.PATCH)
+
+
 def check_against_the_tensor_operations(hidden, residual, table, bank, how, site, dtype, launch) -> None:
-    """The kernel (``launch(keeps, store)``) against ``steer`` then ``keep``: bit for bit
-    on every row but those that remove or clamp a direction, close there."""
+    """The kernel (``launch(keeps, store, residual)``) against ``steer`` then ``keep``:
+    bit for bit on every row but those that remove or clamp a direction, close
+    there; on a pair (``keeps`` 1) the residual's patched rows too."""
     slots, codes, dest = (table[:, part].t() for part in range(3))
     rows = hidden.shape[0]
     projected = projected_rows(table, how, site, rows)
-    want = ops.steer(hidden, residual, slots, bank, how, site)
     for keeps in (1, 0, 2):
+        pair = keeps == 1
+        want_residual, got_residual = residual.clone(), residual.clone()
+        steer = ops.steer_pair if pair else ops.steer
+        want = steer(hidden, want_residual, slots, bank, how, site)
         store = torch.zeros(
             (2 * table.shape[2] * rows + 4, hidden.shape[1]), dtype=dtype, device=hidden.device
         )
         want_store = store.clone()
         if keeps:
-            ops.keep(want, want if keeps == 2 else residual, codes, dest, want_store, site)
-        got = launch(keeps, store)
+            ops.keep(want, want if keeps == 2 else want_residual, codes, dest, want_store, site)
+        got = launch(keeps, store, got_residual)
+        assert torch.equal(got_residual, want_residual), keeps  # a pair's patched rows, or untouched
+        if not pair:
+            assert torch.equal(got_residual, residual), keeps
         assert torch.equal(got[~projected], want[~projected]), keeps
         scale = float(hidden.abs().max())
         assert float((got - want).abs().max()) <= CLOSE[dtype] * scale, keeps
@@ -88,8 +103,11 @@ def test_the_tap_kernel_computes_what_the_tensor_operations_do(dtype, width):
             hidden = torch.randn((rows, width), generator=generator).to(dtype).cuda()
             residual = torch.randn((rows, width), generator=generator).to(dtype).cuda()
 
-            def launch(keeps, store, hidden=hidden, residual=residual, site=site, edits=edits):
+            def launch(keeps, store, residual, hidden=hidden, site=site, edits=edits):
+                if keeps == 1:
+                    return torch.ops.vllm_nnsight.tap_pair(hidden, residual, table, bank, edits, store, site)
                 return torch.ops.vllm_nnsight.tap(hidden, residual, table, bank, edits, store, site, keeps)
 
             check_against_the_tensor_operations(hidden, residual, table, bank, edits, site, dtype, launch)
     assert bool(projected_rows(table, how, 0, rows).any())  # the tables do project some rows
+    assert bool(patched_rows(table, how, 0, rows).any())  # and patch some

@@ -114,6 +114,10 @@ class Form:
     #: it edits ``<tap>.input``, what the module is handed (an operation's value
     #: in its parent's forward, where that is a tap: ``TapTables.handed``)
     entry: bool = False
+    #: it sets one row of the prompt to captured values (activation patching):
+    #: (the name of the hidden state's row or None, the residual's or None); the
+    #: row is ``select`` (a whole number, or an Index naming one)
+    patch: tuple[str | None, str | None] | None = None
 
     @property
     def cache(self) -> bool:
@@ -132,7 +136,7 @@ def block_form(source: str) -> Form | None:
         result = _result_save(body[-1])
         if result is not None:
             body = body[:-1]
-    form = _steering(body) or _keeping(body) or _first_read(body) or _cached(body)
+    form = _steering(body) or _keeping(body) or _first_read(body) or _cached(body) or _patching(body)
     if form is None:
         return None
     if result is not None:
@@ -296,6 +300,92 @@ def _replaced(statement: ast.stmt, read: ast.expr, alias: str) -> tuple | None:
         if isinstance(mine, ast.Name) and mine.id == alias:
             return ast.Name(id=alias, ctx=ast.Load()), None, ("scale", None), other
     return None
+
+
+def _patching(body: list[ast.stmt]) -> Form | None:
+    """Rows of the prompt set to captured values, on the first step::
+
+        out = <tap>.output                  # optional: or <tap>.output[0][p] = a
+        out[0][p] = a                       # the hidden state's row p
+        out[1][p] = b                       # and (optional) the residual's
+
+    ``p`` a whole number written out or a captured name; ``a``, ``b`` captured
+    names (checked at admission: rows of the tap's width)."""
+    if not 1 <= len(body) <= 3 or any(isinstance(s, _COMPOUND) for s in body):
+        return None
+    alias = _assigned(body[0]) if len(body) >= 2 else None
+    read = body[0].value if alias is not None else None
+    if alias is not None and not _is_output(read):
+        alias, read = None, None
+    halves = _unpacked(body[0]) if alias is None and len(body) >= 2 else None  # hidden, residual = ...
+    sets = body[1:] if alias is not None or halves is not None else body
+    if not 1 <= len(sets) <= 2:
+        return None
+    tap, values, rows = None, {}, set()
+    for statement in sets:
+        if not (isinstance(statement, ast.Assign) and len(statement.targets) == 1):
+            return None
+        target, value = statement.targets[0], statement.value
+        if not (isinstance(target, ast.Subscript) and isinstance(value, ast.Name)):
+            return None
+        part = target.value  # out[i], <tap>.output[i], or a half's name
+        if halves is not None:
+            if not (isinstance(part, ast.Name) and part.id in halves[0]):
+                return None
+            index, holder = halves[0].index(part.id), halves[1]
+        else:
+            if not (isinstance(part, ast.Subscript) and isinstance(part.slice, ast.Constant)):
+                return None
+            index, holder = part.slice.value, part.value
+        if type(index) is not int or index not in (0, 1) or index in values:
+            return None
+        if alias is not None:
+            if not (isinstance(holder, ast.Name) and holder.id == alias):
+                return None
+            holder = read
+        if not _is_output(holder):
+            return None
+        path = _module_path(holder.value)
+        if path is None or (tap is not None and path != tap):
+            return None
+        tap = path
+        row = _int(target.slice)
+        row = row if row is not None else _named(target.slice)
+        if row is None or isinstance(row, Index) and row.attrs:
+            return None
+        rows.add(row)
+        values[index] = value.id
+    if len(rows) != 1:
+        return None
+    (row,) = rows
+    names = set(values.values()) | ({row.name} if isinstance(row, Index) else set())
+    own = {alias} | set(halves[0] if halves is not None else ())
+    if names & (own | _reads(tap, 0, 1)) or len(set(values.values())) != len(values):
+        return None
+    return Form(
+        None,
+        0,
+        1,
+        tap,
+        None,
+        names=frozenset(names),
+        select=row,
+        patch=(values.get(0), values.get(1)),
+        unpacks=halves is not None,  # the tap's value must always be exactly two
+    )
+
+
+def _unpacked(statement: ast.stmt) -> tuple[list[str], ast.expr] | None:
+    """``hidden, residual = <tap>.output`` -> (the two names, the output)."""
+    if not (isinstance(statement, ast.Assign) and len(statement.targets) == 1):
+        return None
+    target = statement.targets[0]
+    if not (isinstance(target, ast.Tuple) and len(target.elts) == 2 and _is_output(statement.value)):
+        return None
+    names = [e.id for e in target.elts if isinstance(e, ast.Name)]
+    if len(names) != 2 or names[0] == names[1] or "_" in names:
+        return None
+    return names, statement.value
 
 
 def _layers_loop(node: ast.For) -> tuple[tuple[str, Any], list[ast.stmt]] | None:

@@ -43,17 +43,26 @@ __all__ = ["Lowered", "TapTables", "install"]
 _NEVER = np.iinfo(np.int64).max  # the stop of ``tracer.all()``
 #: The row of each step a keep of one row picks (``<kept>[-1]``, ``<kept>[0]``) -> its code.
 _PICKS = {-1: 1, 0: 2}
-#: An edit of each step's last k rows (``hidden[-k:]``).
-_LAST_ROWS = 3
+#: An edit of each step's last k rows (``hidden[-k:]``), or of row p of a step
+#: (a patch of the prompt's rows, on the first step).
+_LAST_ROWS, _ROW = 3, 4
+
+
+def _row_of(index: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Python's row ``index`` of a step of ``counts`` rows (-1 where it has none)."""
+    found = np.where(index >= 0, index, counts + index)
+    return np.where((found >= 0) & (found < counts), found, -1)
 
 
 def _pick(lowered: Lowered) -> tuple[int, int]:
-    """(which rows of each step, k of the last k) for a request's entries."""
+    """(which rows of each step, k of the last k or the row p) for a request's entries."""
     if not picks_a_row(lowered):
         return 0, 0
     if type(lowered.select) is slice:
         return _LAST_ROWS, -lowered.select.start
-    return _PICKS[lowered.select], 0
+    if lowered.select in _PICKS:
+        return _PICKS[lowered.select], 0
+    return _ROW, lowered.select
 
 
 class TapTables:
@@ -122,9 +131,9 @@ class TapTables:
         self._room = np.zeros(entries, dtype=np.int64)  # rows its region holds
         self._stride = np.ones(entries, dtype=np.int64)  # store rows per kept token row
         self._first = np.zeros(entries, dtype=np.int64)  # rows of its first forward
-        # keeps or edits all its rows (0), the last (1), the first (2), the last k (3)
+        # keeps or edits all its rows (0), the last (1), the first (2), the last k (3), row p (4)
         self._pick = np.zeros(entries, dtype=np.int64)
-        self._last = np.zeros(entries, dtype=np.int64)  # the k of the last k rows
+        self._last = np.zeros(entries, dtype=np.int64)  # the k of the last k rows, or the row p
         #: keeps each step's rows at the start of its region, over the last step's
         #: (a block served them at the sampler: ``replay.py``)
         self._ring = np.zeros(entries, dtype=bool)
@@ -161,6 +170,7 @@ class TapTables:
         room: int = 0,
         also: tuple[int, ...] = (),
         how: tuple[float, ...] = (0.0, 0.0, 0.0),
+        residual: torch.Tensor | None = None,
     ) -> bool:
         """Put a request on the tables; False when there is no room (it runs as Python).
 
@@ -172,7 +182,7 @@ class TapTables:
         """
         if request_id in self.requests or len(self.free) < 1 + len(also):
             return False
-        if vector is not None and not self.bank_free:
+        if vector is not None and len(self.bank_free) < 1 + (residual is not None):
             return False
         if also and lowered.code and lowered.single:
             return False  # a read on the first step names one tap
@@ -189,6 +199,11 @@ class TapTables:
         if vector is not None:
             slot = lowered.slot = self.bank_free.pop()
             self.bank[slot].copy_(vector.detach().reshape(-1).to(torch.float32))
+            if how[0] == ops.PATCH:  # the rows its values are in: its own, and one for the residual
+                if residual is not None:
+                    lowered.slot2 = self.bank_free.pop()
+                    self.bank[lowered.slot2].copy_(residual.detach().reshape(-1).to(torch.float32))
+                how = (ops.PATCH, slot if how[1] >= 0 else -1, lowered.slot2)
             self.how[slot] = torch.tensor((*how, 0.0, 0.0, 0.0, 0.0)[:4], dtype=torch.float32)
         self._kind[entry] = 1 if lowered.code else 0
         self._site[entry] = lowered.site
@@ -261,9 +276,10 @@ class TapTables:
         for each in (entry, *self._also_of.pop(request_id, ())):
             self._lowered[each] = None
             self.free.append(each)
-        if lowered.slot >= 0:
-            self.bank_free.append(lowered.slot)
-            lowered.slot = -1
+        for slot in (lowered.slot, lowered.slot2):
+            if slot >= 0:
+                self.bank_free.append(slot)
+        lowered.slot = lowered.slot2 = -1
 
     def _state(self, lowered: Lowered) -> tuple[int, int, int]:
         """(forwards, rows kept, rows of its first forward) of a request."""
@@ -360,6 +376,7 @@ class TapTables:
                 | ((pick == 1) & (before_end == 1))
                 | ((pick == 2) & (within == 0))
                 | ((pick == 3) & (before_end <= self._last[each]))
+                | ((pick == 4) & (within == _row_of(self._last[each], np.repeat(counts, counts))))
             )
         if chosen is None:
             table[slab, kind, site] = self._value[each]
@@ -534,14 +551,14 @@ def _apply(tables: TapTables, site: int, out: Any) -> Any:
             tables.how,
             tables.store,
         )
-        if paired:
-            return (tap(out[0], out[1], table, bank, how, store, site, 1), *out[1:])
+        if paired:  # the residual is patched in place (``out[1]`` is the same tensor after)
+            return (torch.ops.vllm_nnsight.tap_pair(out[0], out[1], table, bank, how, store, site), *out[1:])
         if isinstance(out, tuple):
             return (tap(out[0], out[0], table, bank, how, store, site, 0), *out[1:])
         return tap(out, out, table, bank, how, store, site, 2)
     steer, keep = torch.ops.vllm_nnsight.steer, torch.ops.vllm_nnsight.keep
     if paired:
-        hidden = steer(out[0], out[1], tables.slots, tables.bank, tables.how, site)
+        hidden = torch.ops.vllm_nnsight.steer_pair(out[0], out[1], tables.slots, tables.bank, tables.how, site)
         keep(hidden, out[1], tables.codes, tables.dest, tables.store, site)
         return (hidden, *out[1:])
     if isinstance(out, tuple):

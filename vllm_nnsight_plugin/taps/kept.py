@@ -63,6 +63,7 @@ class Lowered:
     regions: tuple[tuple[int, int], ...] = ()
     entry: int = -1  # its row in the tables' per-request arrays
     slot: int = -1  # steering: its vector's row of the bank
+    slot2: int = -1  # patching the residual too: the row of the bank its value is in
     #: once its request finished: (forwards, rows kept, rows of its first forward),
     #: its entries given back while its region waits to be read
     retired: tuple[int, int, int] | None = None

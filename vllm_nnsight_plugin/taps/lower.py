@@ -56,6 +56,7 @@ import torch
 from .forms import Form, Index, block_form, outline
 from .kept import Lowered
 from .meaning import canonical, inlined
+from .ops import FILL, PATCH, SCALE
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,8 @@ class LoweredBlock:
     #: (1 or 2, lower, upper) a direction removed or clamped; (3 or 4, the number,
     #: first column, column after the last) the value scaled or filled
     how: tuple[float, ...] = (0.0, 0.0, 0.0)
+    #: patching the residual's row too: its value (the hidden state's is ``vector``)
+    residual: torch.Tensor | None = None
 
     @property
     def form(self) -> str:
@@ -84,7 +87,7 @@ class LoweredBlock:
 
 #: Each edit's name by ``how[0]``: added, a direction removed or clamped (of the
 #: value or of the stream), the value scaled or filled.
-_EDITS = ("steer", "project", "project", "scale", "fill")
+_EDITS = ("steer", "project", "project", "scale", "fill", "patch")
 
 
 @dataclass(frozen=True)
@@ -159,6 +162,9 @@ def lower(
             lowered.cache = f"{model.path}.{path}"  # the key nnsight's cache files it under
         return LoweredBlock(path, lowered, None, also)
     lowered.select = form.select  # one row of each step, or None: every row
+    form = _patch_of(form, scope)
+    if form.patch is not None:
+        return _patched(form, scope, path, site, lowered, also, tables)
     if form.change is not None:
         how = _change(form, scope, tables.hidden, dtype)
         if isinstance(how, Unlowered):
@@ -206,6 +212,58 @@ def _projection(
     return (2.0 if stream else 1.0, *bounds)
 
 
+_ROWS = Unlowered(
+    "vector",
+    "the rows it patches in are not captured tensors of the tap's width, in float32, bfloat16 or "
+    "float16, or its row is not a whole number",
+)
+
+
+def _patch_of(form: Form, scope: dict[str, Any]) -> Form:
+    """``<value>[p] = a`` with ``a`` a captured tensor: a patch of that row, not a
+    fill with a number (the source alone cannot tell the two apart)."""
+    if (
+        form.change is not None
+        and form.change[0] == "fill"
+        and form.change[1] is None
+        and type(form.select) is int
+        and isinstance(form.vector.body, ast.Name)
+        and type(scope.get(form.vector.body.id)) is torch.Tensor
+    ):
+        return dataclasses.replace(form, change=None, patch=(form.vector.body.id, None))
+    return form
+
+
+def _patched(
+    form: Form, scope: dict[str, Any], path: str, site: int, lowered: Lowered, also: tuple, tables: Any
+) -> LoweredBlock | Unlowered:
+    """Rows of the prompt set to captured values: each a tensor ``[width]`` in a
+    dtype float32 holds exactly (``x[p] = a`` rounds it once to the model's dtype,
+    as the bank's float32 copy is rounded), the residual's only on a tap whose
+    value is always (hidden, residual)."""
+    hidden_name, residual_name = form.patch
+    values = []
+    for name in (hidden_name, residual_name):
+        value = None if name is None else scope.get(name)
+        if name is not None and not (
+            type(value) is torch.Tensor
+            and tuple(value.shape) == (tables.hidden,)
+            and value.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        ):
+            return _ROWS
+        values.append(value)
+    if residual_name is not None and site not in tables.pair_sites:
+        return _UNPACKED
+    row = _read(form.select, scope) if isinstance(form.select, Index) else form.select
+    if type(row) is not int:
+        return _ROWS
+    lowered.select = row
+    hidden, residual = values
+    how = (float(PATCH), 1.0 if hidden is not None else -1.0, 1.0 if residual is not None else -1.0)
+    vector = torch.zeros(tables.hidden) if hidden is None else hidden
+    return LoweredBlock(path, lowered, vector.detach(), also, how, residual)
+
+
 _NUMBER = Unlowered(
     "vector",
     "the number it scales or fills with is not one Python number read without running code "
@@ -225,8 +283,6 @@ def _change(
     rounds the number straight to the dtype, so a fill takes only numbers float32
     holds exactly (then both round alike). Columns are whole numbers: a slice as
     Python clips it, one index within the width (outside, Python raises)."""
-    from .ops import FILL, SCALE
-
     kind, columns = form.change
     values = {name: scope.get(name, _MISSING) for name in form.names}
     if any(type(v) not in (int, float) for v in values.values()):
@@ -368,7 +424,8 @@ def fits(block: LoweredBlock, prompt_len: int) -> bool:
     lowered: a read on the first step must index a row of that prompt (out of
     range, Python raises on that step, and so it must run as Python)."""
     select = block.lowered.select
-    return not (block.lowered.single and type(select) is int and not -prompt_len <= select < prompt_len)
+    first_step = block.lowered.single or block.how[0] == PATCH
+    return not (first_step and type(select) is int and not -prompt_len <= select < prompt_len)
 
 
 def for_request(block: LoweredBlock) -> LoweredBlock:

@@ -20,7 +20,13 @@ value; the others are the edit's numbers):
 - 3 and 4, the value scaled or filled on columns ``how[slot, 2]`` up to
   ``how[slot, 3]``: ``hidden * how[slot, 1]`` (the number in float32, the
   product rounded to ``hidden``'s dtype, as ``hidden[:] *= s`` does), or
-  ``how[slot, 1]`` itself (``hidden[:] = c``); the bank row is not read.
+  ``how[slot, 1]`` itself (``hidden[:] = c``); the bank row is not read;
+- 5, the row patched: set to ``bank[how[slot, 1]]`` and, on a pair, the
+  residual's row to ``bank[how[slot, 2]]`` (-1: left as it is), each rounded
+  once from float32 as ``x[p] = a`` rounds ``a``. Only ``steer_pair`` and
+  ``tap_pair`` (the ops a (hidden, residual) pair's tap runs) write the
+  residual, in place: declared as a mutation, so torch.compile keeps it where
+  it is (Inductor writes into the residual's own buffer, no copy).
 
 ``torch.ops.vllm_nnsight.keep(first, second, codes, dest, store, site)`` writes
 row ``r`` of ``first`` (code 1), of ``second`` (code 2) or of ``first + second``
@@ -106,7 +112,7 @@ def forget_seen(slots: torch.Tensor, codes: torch.Tensor | None = None) -> None:
 
 
 #: ``how[slot, 0]``: the edit an entry of the bank makes.
-ADD, PROJECT, PROJECT_STREAM, SCALE, FILL = 0, 1, 2, 3, 4
+ADD, PROJECT, PROJECT_STREAM, SCALE, FILL, PATCH = 0, 1, 2, 3, 4, 5
 
 
 @torch.library.custom_op(f"{NAMESPACE}::steer", mutates_args=())
@@ -117,6 +123,31 @@ def steer(
     bank: torch.Tensor,
     how: torch.Tensor,
     site: int,
+) -> torch.Tensor:
+    return _steered(hidden, second, slots, bank, how, site, pair=False)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::steer_pair", mutates_args=("second",))
+def steer_pair(
+    hidden: torch.Tensor,
+    second: torch.Tensor,
+    slots: torch.Tensor,
+    bank: torch.Tensor,
+    how: torch.Tensor,
+    site: int,
+) -> torch.Tensor:
+    """``steer`` on a (hidden, residual) pair, whose residual rows a patch also sets."""
+    return _steered(hidden, second, slots, bank, how, site, pair=True)
+
+
+def _steered(
+    hidden: torch.Tensor,
+    second: torch.Tensor,
+    slots: torch.Tensor,
+    bank: torch.Tensor,
+    how: torch.Tensor,
+    site: int,
+    pair: bool,
 ) -> torch.Tensor:
     _SEEN[slots.data_ptr(), site] = (tuple(hidden.shape), hidden.dtype)
     if hidden.dim() != 2 or hidden.shape[-1] != bank.shape[-1] or hidden.shape[0] > slots.shape[1]:
@@ -129,6 +160,7 @@ def steer(
     out = torch.where(hit, added.to(hidden.dtype), hidden)
     if hidden.is_cuda or bool((mode >= SCALE).any()):  # on CUDA no host sync (graphs): masked
         out = _changed_rows(out, hidden, mode, safe, how)
+        out = _patched_rows(out, second if pair else None, mode, safe, bank, how)
     if second.shape != hidden.shape:
         return out
     if hidden.is_cuda:  # every row, masked
@@ -149,6 +181,36 @@ def _changed_rows(
     scaled = (hidden.float() * number).to(hidden.dtype)
     changed = torch.where((mode == SCALE).unsqueeze(-1), scaled, number.to(hidden.dtype))
     return torch.where(((mode == SCALE) | (mode == FILL)).unsqueeze(-1) & inside, changed, out)
+
+
+def _patched_rows(
+    out: torch.Tensor,
+    second: torch.Tensor | None,
+    mode: torch.Tensor,
+    safe: torch.Tensor,
+    bank: torch.Tensor,
+    how: torch.Tensor,
+) -> torch.Tensor:
+    """The rows a patch sets: to ``bank[how[slot, 1]]``, and the residual's to
+    ``bank[how[slot, 2]]`` (in place, where ``second`` is a pair's residual); a
+    row index of -1 leaves that value as it is."""
+    limits = how.index_select(0, safe)
+    patched = mode == PATCH
+    # other edits keep other numbers there (a scale, a bound, infinity): only a
+    # patch's are rows of the bank
+    first = torch.where(patched, limits[:, 1], -1.0).long()
+    other = torch.where(patched, limits[:, 2], -1.0).long()
+    value = bank.index_select(0, first.clamp(min=0)).to(out.dtype)
+    out = torch.where((first >= 0).unsqueeze(-1), value, out)
+    if second is not None and second.shape == out.shape:
+        puts = other >= 0
+        if second.is_cuda:  # no host sync (graphs): every row, masked
+            values = bank.index_select(0, other.clamp(min=0)).to(second.dtype)
+            second.copy_(torch.where(puts.unsqueeze(-1), values, second))
+        elif bool(puts.any()):
+            rows = puts.nonzero().squeeze(-1)
+            second.index_copy_(0, rows, bank.index_select(0, other[rows]).to(second.dtype))
+    return out
 
 
 _INF = float("inf")
@@ -216,6 +278,18 @@ def _(
     return torch.empty_like(hidden)
 
 
+@steer_pair.register_fake
+def _(
+    hidden: torch.Tensor,
+    second: torch.Tensor,
+    slots: torch.Tensor,
+    bank: torch.Tensor,
+    how: torch.Tensor,
+    site: int,
+) -> torch.Tensor:
+    return torch.empty_like(hidden)
+
+
 @torch.library.custom_op(f"{NAMESPACE}::keep", mutates_args=("store",))
 def keep(
     first: torch.Tensor,
@@ -262,6 +336,35 @@ def tap(
     keeps: int,
 ) -> torch.Tensor:
     """``steer`` then (where ``keeps``) ``keep`` at one tap, in one pass on CUDA."""
+    return _tapped(hidden, second, table, bank, how, store, site, keeps, pair=False)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::tap_pair", mutates_args=("second", "store"))
+def tap_pair(
+    hidden: torch.Tensor,
+    second: torch.Tensor,
+    table: torch.Tensor,
+    bank: torch.Tensor,
+    how: torch.Tensor,
+    store: torch.Tensor,
+    site: int,
+) -> torch.Tensor:
+    """``tap`` on a (hidden, residual) pair, keeping with the residual; a patch also
+    sets the residual's rows, in place."""
+    return _tapped(hidden, second, table, bank, how, store, site, 1, pair=True)
+
+
+def _tapped(
+    hidden: torch.Tensor,
+    second: torch.Tensor,
+    table: torch.Tensor,
+    bank: torch.Tensor,
+    how: torch.Tensor,
+    store: torch.Tensor,
+    site: int,
+    keeps: int,
+    pair: bool,
+) -> torch.Tensor:
     slots, codes, dest = (table[:, part].t() for part in range(3))
     _PASSED[codes.data_ptr(), site] = keeps  # 0: a tuple without a second tensor
     kernel = _kernel() if hidden.is_cuda else None
@@ -277,12 +380,12 @@ def tap(
         and how.is_contiguous()
     )
     if kernel is None or not fits:
-        out = steer(hidden, second, slots, bank, how, site)
+        out = _steered(hidden, second, slots, bank, how, site, pair)
         if keeps:
             keep(out, out if keeps == 2 else second, codes, dest, store, site)
         return out
     _SEEN[slots.data_ptr(), site] = (tuple(hidden.shape), hidden.dtype)
-    return launch(kernel, hidden, second, table, bank, how, store, site, keeps)
+    return launch(kernel, hidden, second, table, bank, how, store, site, keeps, pair)
 
 
 def launch(
@@ -295,16 +398,31 @@ def launch(
     store: torch.Tensor,
     site: int,
     keeps: int,
+    pair: bool = False,
 ) -> torch.Tensor:
-    """One program a row of ``hidden``; the new value (``store`` is written in place)."""
+    """One program a row of ``hidden``; the new value (``store``, and for a pair the
+    residual's patched rows, are written in place)."""
     out = torch.empty_like(hidden)
     rows, width = hidden.shape
     if rows:
         block = min(1024, 1 << (width - 1).bit_length())
         kernel[(rows,)](
-            hidden, second, out, table, bank, how, store, site, table.shape[2], width, block, keeps
+            hidden, second, out, table, bank, how, store, site, table.shape[2], width, block, keeps, pair
         )
     return out
+
+
+@tap_pair.register_fake
+def _(
+    hidden: torch.Tensor,
+    second: torch.Tensor,
+    table: torch.Tensor,
+    bank: torch.Tensor,
+    how: torch.Tensor,
+    store: torch.Tensor,
+    site: int,
+) -> torch.Tensor:
+    return torch.empty_like(hidden)
 
 
 @tap.register_fake
@@ -331,7 +449,7 @@ if triton is not None:
     @triton.jit
     def _tap_rows(
         hidden, second, out, table, bank, how, store, site, sites,
-        H: tl.constexpr, BLOCK: tl.constexpr, KEEPS: tl.constexpr,
+        H: tl.constexpr, BLOCK: tl.constexpr, KEEPS: tl.constexpr, PAIR: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0).to(tl.int64)
         at = table + row * 3 * sites + site
@@ -371,6 +489,10 @@ if triton is not None:
                 u = tl.load(bank + entry * H + offs, mask=mask).to(dtype).to(tl.float32)
                 push = (delta * u).to(dtype).to(tl.float32)
                 h = (h.to(tl.float32) - push).to(h.dtype)
+            elif mode == 5:  # patched: the row set to bank[how[slot, 1]], unless -1
+                first = tl.load(how + entry * 4 + 1).to(tl.int64)
+                if first >= 0:
+                    h = tl.load(bank + first * H + offs, mask=mask).to(h.dtype)
             elif mode > 2:  # scaled (3) or filled (4) on columns [low, high)
                 number = tl.load(how + entry * 4 + 1)
                 low = tl.load(how + entry * 4 + 2)
@@ -380,6 +502,12 @@ if triton is not None:
                 filled = (tl.zeros_like(h.to(tl.float32)) + number).to(h.dtype)
                 h = tl.where(inside, tl.where(mode == 3, scaled, filled), h)
             tl.store(out + row * H + offs, h, mask=mask)
+            if PAIR:
+                if mode == 5:  # and the residual's row set to bank[how[slot, 2]], unless -1
+                    other = tl.load(how + entry * 4 + 2).to(tl.int64)
+                    if other >= 0:
+                        value = tl.load(bank + other * H + offs, mask=mask).to(h.dtype)
+                        tl.store(second + row * H + offs, value, mask=mask)
             if code != 0:  # 1 the output, 2 the second value, 3 their sum, 4 both
                 if KEEPS == 2:  # a tensor's tap: its second value is the edited one
                     r = h

@@ -38,7 +38,8 @@ class Lowering:
         self.runner = runner
         self.count = 0
         self.by_form = {
-            "steer": 0, "project": 0, "scale": 0, "fill": 0, "keep": 0, "read": 0, "cache": 0, "replay": 0
+            "steer": 0, "project": 0, "scale": 0, "fill": 0, "patch": 0,
+            "keep": 0, "read": 0, "cache": 0, "replay": 0,
         }  # fmt: skip
         self.known: OrderedDict[bytes, Any] = OrderedDict()
         #: blocks served at the sampler, by digest: the taps each reads (its
@@ -214,7 +215,7 @@ class Lowering:
             why = COPIES
         elif lowered.code and room <= 0:
             why = UNSIZED
-        elif not tables.add(request.id, lowered, block.vector, room, block.also, block.how):
+        elif not tables.add(request.id, lowered, block.vector, room, block.also, block.how, block.residual):
             why = NO_ROOM
         if why is not None:
             self.paths.python(request.id, *why)
