@@ -266,8 +266,7 @@ def _projected_rows(
     return torch.where(((mode == PROJECT) | (mode == PROJECT_STREAM)).unsqueeze(-1), projected, out)
 
 
-@steer.register_fake
-def _(
+def _steered_fake(
     hidden: torch.Tensor,
     second: torch.Tensor,
     slots: torch.Tensor,
@@ -278,16 +277,8 @@ def _(
     return torch.empty_like(hidden)
 
 
-@steer_pair.register_fake
-def _(
-    hidden: torch.Tensor,
-    second: torch.Tensor,
-    slots: torch.Tensor,
-    bank: torch.Tensor,
-    how: torch.Tensor,
-    site: int,
-) -> torch.Tensor:
-    return torch.empty_like(hidden)
+steer.register_fake(_steered_fake)
+steer_pair.register_fake(_steered_fake)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::keep", mutates_args=("store",))

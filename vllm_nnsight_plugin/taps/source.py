@@ -176,12 +176,25 @@ def _refuse(folder: tuple[str, ...], unsafe: UnsafeFolderError) -> None:
         )
 
 
-def rewritten_forward(cls: type, tapped: frozenset[str], tap: Callable[[Any, str, Any], Any]) -> Callable:
-    """``cls.forward`` with each value named in ``tapped`` passed through ``tap``."""
+def _routed(definition: ast.FunctionDef, tapped: frozenset[str]) -> list[str]:
+    """Rewrite ``definition`` in place as the forward it is, each value named in
+    ``tapped`` passed through the tap (nnsight's instrumentation, undone by
+    :class:`_Restore`); nnsight's names of its operations, in order."""
     from nnsight.intervention.source import Instrument
 
+    definition.decorator_list = []
+    tree = ast.Module(body=[definition], type_ignores=[])
+    instrument = Instrument()
+    instrument.visit(tree)
+    _Restore(tapped, definition.args.args[0].arg).visit(tree)
+    ast.fix_missing_locations(tree)
+    return list(instrument.names)
+
+
+def rewritten_forward(cls: type, tapped: frozenset[str], tap: Callable[[Any, str, Any], Any]) -> Callable:
+    """``cls.forward`` with each value named in ``tapped`` passed through ``tap``."""
     definition, forward = _definition(cls)
-    known = operations(cls)
+    known = _routed(definition, tapped)
     missing = sorted(tapped - set(known))
     if missing:
         raise SourceTapError(
@@ -189,11 +202,6 @@ def rewritten_forward(cls: type, tapped: frozenset[str], tap: Callable[[Any, str
             f"Its operations: {', '.join(known)}."
         )
     free = forward.__code__.co_freevars
-    definition.decorator_list = []
-    tree = ast.Module(body=[definition], type_ignores=[])
-    Instrument().visit(tree)
-    _Restore(tapped, definition.args.args[0].arg).visit(tree)
-    ast.fix_missing_locations(tree)
     params = ", ".join([*free, TAP])
     body = textwrap.indent(ast.unparse(definition), "    ")
     text = f"def {_SHELL}({params}):\n{body}\n    return {definition.name}\n"
@@ -219,15 +227,9 @@ def handed_to(cls: type, operation: str) -> str | None:
         definition, _ = _definition(cls)
     except SourceTapError:
         return None
-    if operation not in operations(cls):
+    if operation not in _routed(definition, frozenset({operation})):
         return None
-    from nnsight.intervention.source import Instrument
-
-    definition.decorator_list = []
-    tree = ast.Module(body=[definition], type_ignores=[])
-    Instrument().visit(tree)
-    _Restore(frozenset({operation}), definition.args.args[0].arg).visit(tree)
-    receiver = definition.args.args[0].arg
+    tree, receiver = definition, definition.args.args[0].arg
     target = None
     for node in ast.walk(tree):
         if (
