@@ -792,8 +792,10 @@ def profile_engine(path: str, graphs: bool = False, taps: bool = False) -> None:
     x 32 tokens. Graphed (``profile-graphs``): the sweep, ten one-token traces and
     ten plain one-token calls beside them, and ten logit lenses. Tapped
     (``profile-taps``, graphed, layer 18 tapped, or ``GPU_BENCH_TAPS``): the lowered
-    capture of 1,000 x 128 and steering of 256 x 128, beside plain 1,000 x 128, and
-    ten logit lenses beside ten one-token traces."""
+    capture of 1,000 x 128 and steering of 256 x 128, beside plain 1,000 x 128, ten
+    logit lenses beside ten one-token traces, patching (64 x 16) and, where every
+    layer is tapped, the probe (64 x 128); ``GPU_BENCH_PROFILE_JOBS`` (comma-separated
+    names) picks some."""
     import cProfile
 
     from vllm import LLM, SamplingParams
@@ -824,6 +826,13 @@ def profile_engine(path: str, graphs: bool = False, taps: bool = False) -> None:
             "lens": lambda: [lens(model, few[0]) for _ in range(10)],
             "trace1": lambda: [trace1(model, few[0]) for _ in range(10)],
         }
+        rows = clean_rows(model, few[0])
+        jobs["patch"] = lambda: patch(model, unique(CONCURRENT), SHORT, rows)
+        if every_layer_tapped():
+            layers = layer_count(path)
+            jobs["probe"] = lambda: probe_rows(model, unique(CONCURRENT), TOKENS, layers)
+        wanted = [j for j in os.environ.get("GPU_BENCH_PROFILE_JOBS", "").split(",") if j]
+        jobs = {job: fn for job, fn in jobs.items() if not wanted or job in wanted}
     elif graphs:
         jobs["plain1"] = lambda: [
             llm.generate([p], one, use_tqdm=False) for p in fresh_prompts(10, next(runs))
