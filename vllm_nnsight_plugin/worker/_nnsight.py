@@ -121,7 +121,6 @@ TOUCHES: tuple[tuple[str, str], ...] = (
     ("nnsight.intervention.tracer", "InterleavingTracer.stop"),
     ("nnsight.intervention.tracer", "InterleavingTracer.result"),
     ("nnsight.intervention.serialization", "CustomCloudUnpickler.persistent_load"),
-    ("torch.storage", "_load_from_bytes"),  # how a pickled storage is rebuilt (``storage_without_waiting``)
     ("nnsight.modeling.vllm.collect", "dumps_compact"),
     ("nnsight.modeling.vllm.fragments", "VLLMFragments.whole"),
     ("nnsight.modeling.vllm.fragments", "VLLMFragments.split"),
@@ -263,35 +262,7 @@ class _BlockUnpickler(CustomCloudUnpickler):
     def find_class(self, module: str, name: str) -> Any:
         if module == Mediator.__module__ and name == Mediator.__name__:
             return _SharedCodeMediator
-        if (module, name) == _STORAGE_FROM_BYTES:
-            return storage_without_waiting
         return super().find_class(module, name)
-
-
-#: How torch pickles a tensor's storage (``TypedStorage.__reduce__``): its bytes,
-#: rebuilt by ``torch.load`` where it was.
-_STORAGE_FROM_BYTES = ("torch.storage", "_load_from_bytes")
-
-
-def storage_without_waiting(data: bytes) -> Any:
-    """torch's rebuild of a pickled storage (``torch.storage._load_from_bytes``),
-    except that one bound for a GPU goes through pinned memory with an
-    asynchronous copy on the current stream. torch's own copies from pageable
-    memory, which waits for the work queued on the GPU (the step in flight): a
-    block that captured its own GPU tensors (activation patching's rows) would
-    cost its request a step's wait each as it is loaded. The copy is ordered
-    before anything later on that stream, so the tensor reads the same."""
-    import torch
-
-    return torch.load(io.BytesIO(data), weights_only=False, map_location=_placed)
-
-
-def _placed(storage: Any, location: str) -> Any:
-    import torch
-
-    if not location.startswith("cuda") or not torch.cuda.is_available():
-        return None  # torch's own placement
-    return storage.pin_memory().to(device=torch.device(location), non_blocking=True)
 
 
 def with_source(mediator: Any, source: str) -> Any:
