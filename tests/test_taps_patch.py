@@ -161,3 +161,53 @@ def test_a_patch_is_lowered_and_equals_the_python_path_bit_for_bit(smollm2_llm, 
     )
     edited = {t: p.logprob for t, p in got.outputs[0].logprobs[0].items()}
     assert edited != {t: p.logprob for t, p in plain.outputs[0].logprobs[0].items()}  # it patched
+
+
+def test_a_patch_of_some_columns_sets_only_those_bit_for_bit():
+    """``x[p, a:b] = v`` (a head's output put back): those columns of the row, from
+    the bank's row, rounded once as the assignment rounds ``v``; the rest as it was."""
+    generator = torch.Generator().manual_seed(7)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        hidden = torch.randn(5, 16, generator=generator).to(dtype)
+        value = torch.randn(4, generator=generator)
+        bank = torch.zeros(2, 16)
+        bank[1, 8:12] = value
+        how = torch.tensor([[0.0, 0.0, 0.0, 0.0], [ops.PATCH_COLUMNS, 1.0, 8.0, 12.0]])
+        slots = torch.full((1, 8), -1, dtype=torch.int32)
+        slots[0, 3] = 1
+        got = ops.steer(hidden, hidden, slots, bank, how, 0)
+        want = hidden.clone()
+        want[3, 8:12] = value  # the block's own assignment
+        assert torch.equal(got, want), dtype
+
+
+def heads_patched(model, row, head: int, python: bool):
+    with model.trace(PROMPT, temperature=0.0, max_tokens=3, logprobs=3) as tracer:
+        if python:
+            model.model.embed_tokens.output.clone()  # no tap: the block runs as Python
+        model.model.layers[10].self_attn.o_proj.input[-1, head * 64 : (head + 1) * 64] = row
+        result = tracer.result.save()
+    return result
+
+
+def test_a_heads_output_put_back_is_lowered_and_equals_the_python_path_bit_for_bit(smollm2_llm, smol):
+    """The patching page's per-head patch: one head's slice of what ``o_proj`` is
+    handed at the last position, from another prompt, lowered onto the attention's
+    tap and as Python."""
+    with smol.trace("The capital of Italy is", temperature=0.0, max_tokens=1):
+        heads = smol.model.layers[10].self_attn.o_proj.input[-1].clone().save()
+    for head in (0, 3):
+        row = heads[head * 64 : (head + 1) * 64]
+        (before,) = smollm2_llm.collective_rpc("nnsight_stats")
+        got = heads_patched(smol, row, head, python=False)
+        (middle,) = smollm2_llm.collective_rpc("nnsight_stats")
+        want = heads_patched(smol, row, head, python=True)
+        assert got.nnsight_path["form"] == "patch", got.nnsight_path
+        assert middle["lowered_by"]["patch"] - before["lowered_by"]["patch"] == 1
+        assert not want.nnsight_path["lowered"]
+        same_generation([got], [want])
+    (plain,) = smollm2_llm.generate(
+        [PROMPT], SamplingParams(temperature=0.0, max_tokens=3, logprobs=3), use_tqdm=False
+    )
+    edited = {t: p.logprob for t, p in got.outputs[0].logprobs[0].items()}
+    assert edited != {t: p.logprob for t, p in plain.outputs[0].logprobs[0].items()}  # it patched

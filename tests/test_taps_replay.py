@@ -146,6 +146,60 @@ def test_a_block_reading_two_taps_is_served_both_in_model_order_bit_for_bit(smol
     assert list(result.outputs[0].token_ids) == list(want_result.outputs[0].token_ids)
 
 
+def four_taps(model, twin: bool):
+    """What a module is handed (``o_proj.input``, the tapped attention's output), a
+    module's one tensor (layer 12's MLP) and two layers' pairs, each step: served
+    in the order the forward reaches them."""
+    with model.trace(PROMPTS[1], temperature=0.0, max_tokens=3) as tracer:
+        seen = list().save()
+        for _ in tracer.iter[:3]:
+            if twin:
+                model.model.embed_tokens.output.clone()  # no tap: the block runs as Python
+            heads = model.model.layers[10].self_attn.o_proj.input[-1].clone()
+            early = model.model.layers[10].output
+            stream = (early[0] + early[1]).clone()
+            mlp = model.model.layers[12].mlp.output.clone()
+            late = model.model.layers[20].output[0].clone()
+            seen.append((heads, stream, mlp.norm(dim=-1), late))
+        result = tracer.result.save()
+    return seen, result
+
+
+def test_what_a_module_is_handed_and_a_tensor_tap_are_served_in_order_bit_for_bit(smollm2_llm, smol):
+    before = stats(smollm2_llm)["taps_served_at_sampler"]
+    seen, result = four_taps(smol, twin=False)
+    assert result.nnsight_path == REPLAY
+    assert stats(smollm2_llm)["taps_served_at_sampler"] - before == 12  # four taps, three steps
+    want, want_result = four_taps(smol, twin=True)
+    assert want_result.nnsight_path["lowered"] is False
+    assert len(seen) == len(want) == 3 and seen[0][1].shape[0] > 1
+    for got, expected in zip(seen, want):
+        for a, b in zip(got, expected, strict=True):
+            assert torch.equal(a, b)
+    assert list(result.outputs[0].token_ids) == list(want_result.outputs[0].token_ids)
+
+
+def test_served_in_the_order_the_forward_reaches_them():
+    """A module's input before its children's locations, its output after them;
+    otherwise the tree's order; an operation's site served as its child's input."""
+    from vllm_nnsight_plugin.taps.replay import served
+
+    class Tables:
+        sites = ("model.embed_tokens", "model.layers.0", "model.layers.0.self_attn.source.attn_0",
+                 "model.layers.0.mlp", "model.layers.1", "model.norm")  # fmt: skip
+        tuple_sites = frozenset({1, 4})
+        handed = {"model.layers.0.self_attn.o_proj": 2}
+
+    assert served([5, 4, 3, 2, 1, 0], Tables) == [
+        (0, "model.embed_tokens.output", False),
+        (2, "model.layers.0.self_attn.o_proj.input", False),
+        (3, "model.layers.0.mlp.output", False),
+        (1, "model.layers.0.output", True),
+        (4, "model.layers.1.output", True),
+        (5, "model.norm.output", False),
+    ]
+
+
 def test_beside_a_python_block_the_forward_serves_it_and_nothing_is_served_twice(smollm2_llm, smol):
     """A step with a Python block runs the forward as Python: the replayed block is
     served there, and not again at the sampler (which would move it a step on)."""
@@ -320,8 +374,11 @@ def test_replayable_reads_the_block_not_its_spelling(smollm2_llm, smol):
     import nnsight
 
     class Tables:
-        site_of = {"model.layers.10": 0, "model.layers.20": 3}
+        sites = ("model.layers.10", "model.layers.10.self_attn.source.attn_0", "model.layers.12.mlp",
+                 "model.layers.20")  # fmt: skip
+        site_of = {name: i for i, name in enumerate(sites)}
         tuple_sites = frozenset({0, 3})
+        handed = {"model.layers.10.self_attn.o_proj": 1}
 
     attention = torch.nn.Linear(2, 2)
     attention.kv_cache = [torch.zeros(1)]  # as vLLM's attention layers hold theirs
@@ -363,7 +420,17 @@ def test_replayable_reads_the_block_not_its_spelling(smollm2_llm, smol):
     handed = check("x = block.output[0]\nprint(model.lm_head)")
     assert isinstance(handed, Unlowered) and "other than by calling it" in handed.reason
     entered = check("x = block.output[0]\ny = model.model.layers[3].input")
-    assert isinstance(entered, Unlowered) and "other than a tap's output" in entered.reason
+    assert isinstance(entered, Unlowered) and entered.kind == "not_a_tap"
+    # What a module is handed, where that is a tap's value; a module's one tensor;
+    # never an operation's value read as itself, nor a module's whole inputs.
+    assert check("x = model.model.layers[10].self_attn.o_proj.input[-1].clone().save()") == (1,)
+    assert check("x = model.model.layers[12].mlp.output.norm().save()") == (2,)
+    for source in (
+        "x = model.model.layers[10].self_attn.source.attn_0.output.save()",
+        "x = model.model.layers[10].self_attn.o_proj.inputs",
+    ):
+        found = check(source)
+        assert isinstance(found, Unlowered) and found.kind == "form", source
     no_modules = replayable(lens, scope, smol, Tables)
     assert isinstance(no_modules, Unlowered)
     # A module reached other than by name from the model: never served, since its
@@ -383,8 +450,9 @@ def test_a_loop_over_the_layers_is_served_every_layer(smollm2_llm, smol):
     layer: all must be taps, and the loop's name is used through ``output`` only."""
 
     class Tables:
-        site_of = {"model.layers.0": 0, "model.layers.1": 1}
+        site_of = {"model.layers.0": 0, "model.layers.1": 1, "model.layers.0.mlp": 2, "model.layers.1.mlp": 3}
         tuple_sites = frozenset({0, 1})
+        handed = {"model.layers.0.self_attn.o_proj": 4, "model.layers.1.self_attn.o_proj": 5}
 
     modules = {"model.layers": torch.nn.ModuleList([torch.nn.Identity(), torch.nn.Identity()])}
     modules["model.norm"] = torch.nn.LayerNorm(2)
@@ -397,14 +465,21 @@ def test_a_loop_over_the_layers_is_served_every_layer(smollm2_llm, smol):
     assert check("x = [(l.output[0] + l.output[1])[-1] for l in model.model.layers]") == (0, 1)
     lens = "for layer in model.model.layers:\n    x = model.model.norm(layer.output[0]).save()"
     assert check(lens) == (0, 1)
+    # a module of each layer: its output, or what it is handed
+    assert check("for layer in model.model.layers:\n    x = layer.mlp.output.norm().save()") == (2, 3)
+    handed = "x = [l.self_attn.o_proj.input[-1].clone() for l in model.model.layers]"
+    assert check(handed) == (4, 5)
     for source in (
-        "for layer in model.model.layers:\n    x = layer.mlp.output.save()",  # not its output
+        "for layer in model.model.layers:\n    x = layer.self_attn.output.save()",  # not a tap
         "for layer in model.model.layers:\n    x = layer.output[0]\nlayer = 3",  # rebound
+        "for layer in model.model.layers:\n    x = layer.mlp.source.act_0.output",
+        "for layer in model.model.layers:\n    x = layer.mlp[0].output",
     ):
         found = check(source)
         assert isinstance(found, Unlowered), source
     fewer = Tables()
     fewer.site_of = {"model.layers.0": 0}
+    fewer.handed = {}
     missing = replayable(
         "for layer in model.model.layers:\n    x = layer.output", scope, smol, fewer, modules.get
     )

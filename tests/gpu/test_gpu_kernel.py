@@ -38,6 +38,8 @@ def busy_tables(rows: int, width: int, sites: int, generator: torch.Generator, d
     )
     # and before those, rows patched: both values, the hidden state's only, the residual's only
     how[5:8] = torch.tensor([[5.0, 5.0, 2.0, 0.0], [5.0, 3.0, -1.0, 0.0], [5.0, -1.0, 4.0, 0.0]])
+    # and one patched on some columns (a head's): from another row of the bank
+    how[4] = torch.tensor([6.0, 9.0, 64.0, 128.0])
     return table.to(device), bank.to(device), how.to(device)
 
 
@@ -57,7 +59,7 @@ def projected_rows(table, how, site: int, rows: int) -> torch.Tensor:
 def patched_rows(table, how, site: int, rows: int) -> torch.Tensor:
     """The rows at ``site`` whose entry patches them."""
     slots = table[:rows, 0, site].long()
-    return (slots >= 0) & (how[slots.clamp(min=0), 0] == ops.PATCH)
+    return (slots >= 0) & ((how[slots.clamp(min=0), 0] == ops.PATCH) | (how[slots.clamp(min=0), 0] == ops.PATCH_COLUMNS))
 
 
 def check_against_the_tensor_operations(hidden, residual, table, bank, how, site, dtype, launch) -> None:

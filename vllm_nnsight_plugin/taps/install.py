@@ -204,6 +204,8 @@ class TapTables:
                     lowered.slot2 = self.bank_free.pop()
                     self.bank[lowered.slot2].copy_(residual.detach().reshape(-1).to(torch.float32))
                 how = (ops.PATCH, slot if how[1] >= 0 else -1, lowered.slot2)
+            elif how[0] == ops.PATCH_COLUMNS:  # its columns' values are in its own row
+                how = (ops.PATCH_COLUMNS, slot, *how[2:])
             self.how[slot] = torch.tensor((*how, 0.0, 0.0, 0.0, 0.0)[:4], dtype=torch.float32)
         self._kind[entry] = 1 if lowered.code else 0
         self._site[entry] = lowered.site
@@ -228,6 +230,12 @@ class TapTables:
                     self._base[extra] = dict(lowered.regions)[site]
                 self._lowered[extra] = lowered
         return True
+
+    def served_whole(self, site: int) -> bool:
+        """Whether the rows a tap keeps are its whole value, as a block reads it: a
+        (hidden, residual) pair, or one tensor as wide as the bank (a module's
+        output, or an operation's value that a child is handed)."""
+        return site in self.pair_sites or (site not in self.tuple_sites and self.means(site, whole=True))
 
     def means(self, site: int, whole: bool) -> bool:
         """Whether a block's reading of the tap is what the operations see there.

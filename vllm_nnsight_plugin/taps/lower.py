@@ -56,7 +56,7 @@ import torch
 from .forms import Form, Index, block_form, outline
 from .kept import Lowered
 from .meaning import canonical, inlined
-from .ops import FILL, PATCH, SCALE
+from .ops import FILL, PATCH, PATCH_COLUMNS, SCALE
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class LoweredBlock:
 
 #: Each edit's name by ``how[0]``: added, a direction removed or clamped (of the
 #: value or of the stream), the value scaled or filled.
-_EDITS = ("steer", "project", "project", "scale", "fill", "patch")
+_EDITS = ("steer", "project", "project", "scale", "fill", "patch", "patch")
 
 
 @dataclass(frozen=True)
@@ -225,12 +225,12 @@ def _patch_of(form: Form, scope: dict[str, Any]) -> Form:
     if (
         form.change is not None
         and form.change[0] == "fill"
-        and form.change[1] is None
         and type(form.select) is int
         and isinstance(form.vector.body, ast.Name)
         and type(scope.get(form.vector.body.id)) is torch.Tensor
     ):
-        return dataclasses.replace(form, change=None, patch=(form.vector.body.id, None))
+        # ``change`` keeps the columns (None: all of them)
+        return dataclasses.replace(form, patch=(form.vector.body.id, None))
     return form
 
 
@@ -242,12 +242,21 @@ def _patched(
     as the bank's float32 copy is rounded), the residual's only on a tap whose
     value is always (hidden, residual)."""
     hidden_name, residual_name = form.patch
+    columns = None if form.change is None else form.change[1]
+    low, high = 0, tables.hidden
+    if columns is not None:  # ``x[p, a:b] = v``: those columns, from a tensor as wide as them
+        bounds = _columns(columns, {name: scope.get(name, _MISSING) for name in form.names}, tables.hidden)
+        if isinstance(bounds, Unlowered):
+            return bounds
+        low, high = bounds
+        if residual_name is not None or low >= high:
+            return _ROWS
     values = []
     for name in (hidden_name, residual_name):
         value = None if name is None else scope.get(name)
         if name is not None and not (
             type(value) is torch.Tensor
-            and tuple(value.shape) == (tables.hidden,)
+            and tuple(value.shape) == (high - low,)
             and value.dtype in (torch.float32, torch.bfloat16, torch.float16)
         ):
             return _ROWS
@@ -259,6 +268,11 @@ def _patched(
         return _ROWS
     lowered.select = row
     hidden, residual = values
+    if columns is not None:
+        vector = torch.zeros(tables.hidden, dtype=torch.float32)
+        vector[low:high] = hidden.detach().to(device="cpu", dtype=torch.float32)
+        how = (float(PATCH_COLUMNS), 1.0, float(low), float(high))
+        return LoweredBlock(path, lowered, vector, also, how)
     how = (float(PATCH), 1.0 if hidden is not None else -1.0, 1.0 if residual is not None else -1.0)
     vector = torch.zeros(tables.hidden) if hidden is None else hidden
     return LoweredBlock(path, lowered, vector.detach(), also, how, residual)
@@ -292,21 +306,28 @@ def _change(
         return _NUMBER
     if kind == "fill" and float(torch.tensor(number, dtype=torch.float32).item()) != number:
         return _NUMBER
-    low, high = 0, width
-    if columns is not None:
-        parts = [None if part is None else _evaluated(part, values) for part in columns[1:]]
-        if any(part is not None and type(part) is not int for part in parts):
-            return _NUMBER
-        if columns[0] == "index":
-            (index,) = parts
-            if not -width <= index < width:
-                return Unlowered("form", f"it indexes column {index} of a value {width} wide (Python raises)")
-            low = index % width
-            high = low + 1
-        else:
-            low, high, _ = slice(*parts).indices(width)
-            high = max(high, low)
+    bounds = _columns(columns, values, width)
+    if isinstance(bounds, Unlowered):
+        return bounds
+    low, high = bounds
     return (float(SCALE if kind == "scale" else FILL), float(number), float(low), float(high))
+
+
+def _columns(columns: tuple | None, values: dict[str, Any], width: int) -> tuple[int, int] | Unlowered:
+    """The columns an edit names, ``[low, high)``: all (None), a slice as Python
+    clips it, or one index within the width (outside, Python raises)."""
+    if columns is None:
+        return 0, width
+    parts = [None if part is None else _evaluated(part, values) for part in columns[1:]]
+    if any(part is not None and type(part) is not int for part in parts):
+        return _NUMBER
+    if columns[0] == "index":
+        (index,) = parts
+        if not -width <= index < width:
+            return Unlowered("form", f"it indexes column {index} of a value {width} wide (Python raises)")
+        return index % width, index % width + 1
+    low, high, _ = slice(*parts).indices(width)
+    return low, max(high, low)
 
 
 def _evaluated(expression: ast.Expression, values: dict[str, Any]) -> Any:
@@ -424,7 +445,7 @@ def fits(block: LoweredBlock, prompt_len: int) -> bool:
     lowered: a read on the first step must index a row of that prompt (out of
     range, Python raises on that step, and so it must run as Python)."""
     select = block.lowered.select
-    first_step = block.lowered.single or block.how[0] == PATCH
+    first_step = block.lowered.single or block.how[0] in (PATCH, PATCH_COLUMNS)
     return not (first_step and type(select) is int and not -prompt_len <= select < prompt_len)
 
 

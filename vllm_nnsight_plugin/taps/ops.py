@@ -26,7 +26,10 @@ value; the others are the edit's numbers):
   once from float32 as ``x[p] = a`` rounds ``a``. Only ``steer_pair`` and
   ``tap_pair`` (the ops a (hidden, residual) pair's tap runs) write the
   residual, in place: declared as a mutation, so torch.compile keeps it where
-  it is (Inductor writes into the residual's own buffer, no copy).
+  it is (Inductor writes into the residual's own buffer, no copy);
+- 6, columns ``how[slot, 2]`` up to ``how[slot, 3]`` of the row patched: set to
+  those columns of ``bank[how[slot, 1]]``, rounded once from float32
+  (``x[p, a:b] = v``, a head's output put back).
 
 ``torch.ops.vllm_nnsight.keep(first, second, codes, dest, store, site)`` writes
 row ``r`` of ``first`` (code 1), of ``second`` (code 2) or of ``first + second``
@@ -112,7 +115,7 @@ def forget_seen(slots: torch.Tensor, codes: torch.Tensor | None = None) -> None:
 
 
 #: ``how[slot, 0]``: the edit an entry of the bank makes.
-ADD, PROJECT, PROJECT_STREAM, SCALE, FILL, PATCH = 0, 1, 2, 3, 4, 5
+ADD, PROJECT, PROJECT_STREAM, SCALE, FILL, PATCH, PATCH_COLUMNS = 0, 1, 2, 3, 4, 5, 6
 
 
 @torch.library.custom_op(f"{NAMESPACE}::steer", mutates_args=())
@@ -193,7 +196,7 @@ def _patched_rows(
 ) -> torch.Tensor:
     """The rows a patch sets: to ``bank[how[slot, 1]]``, and the residual's to
     ``bank[how[slot, 2]]`` (in place, where ``second`` is a pair's residual); a
-    row index of -1 leaves that value as it is."""
+    row index of -1 leaves that value as it is. A patch of columns sets only those."""
     limits = how.index_select(0, safe)
     patched = mode == PATCH
     # other edits keep other numbers there (a scale, a bound, infinity): only a
@@ -202,6 +205,11 @@ def _patched_rows(
     other = torch.where(patched, limits[:, 2], -1.0).long()
     value = bank.index_select(0, first.clamp(min=0)).to(out.dtype)
     out = torch.where((first >= 0).unsqueeze(-1), value, out)
+    columns = torch.where(mode == PATCH_COLUMNS, limits[:, 1], -1.0).long()
+    value = bank.index_select(0, columns.clamp(min=0)).to(out.dtype)
+    at = torch.arange(out.shape[-1], device=out.device, dtype=torch.float32)
+    inside = (at >= limits[:, 2:3]) & (at < limits[:, 3:4]) & (columns >= 0).unsqueeze(-1)
+    out = torch.where(inside, value, out)
     if second is not None and second.shape == out.shape:
         puts = other >= 0
         if second.is_cuda:  # no host sync (graphs): every row, masked
@@ -484,6 +492,13 @@ if triton is not None:
                 first = tl.load(how + entry * 4 + 1).to(tl.int64)
                 if first >= 0:
                     h = tl.load(bank + first * H + offs, mask=mask).to(h.dtype)
+            elif mode == 6:  # patched on columns [low, high) from bank[how[slot, 1]]
+                first = tl.load(how + entry * 4 + 1).to(tl.int64)
+                low = tl.load(how + entry * 4 + 2)
+                high = tl.load(how + entry * 4 + 3)
+                inside = (offs.to(tl.float32) >= low) & (offs.to(tl.float32) < high)
+                value = tl.load(bank + first * H + offs, mask=mask).to(h.dtype)
+                h = tl.where(inside, value, h)
             elif mode > 2:  # scaled (3) or filled (4) on columns [low, high)
                 number = tl.load(how + entry * 4 + 1)
                 low = tl.load(how + entry * 4 + 2)

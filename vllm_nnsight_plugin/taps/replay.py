@@ -14,18 +14,21 @@ A block is served so only where that is certain:
 - it writes nothing into the forward (``worker/writes.py``: its edits would
   come too late);
 - every use of the model in it is ``<tap>.output`` of a tap whose value is a
-  tuple (a decoder layer's hidden state and residual), ``model.logits``,
+  tuple (a decoder layer's hidden state and residual) or one tensor (the worker
+  checks it is as wide as the hidden state), ``<child>.input`` where the
+  child's parent hands it a tapped operation's value (``TapTables.handed``:
+  ``self_attn.o_proj.input``), ``model.logits``,
   ``model.samples``, ``model.tokenizer``, or a call of one of its modules (or a
   module handed to such a call: ``model.lm_head`` to ``model.logits_processor``)
   that holds no attention layer and no experts, which need the step's forward
   (the worker runs the call with the kernels of a Python step); a loop over a
   list of the model's modules (``for layer in model.model.layers``) names each,
-  every one a tap; a parameter, buffer or number a module holds
+  every one a tap (or the module below each that the block reads); a parameter, buffer or number a module holds
   (``model.lm_head.weight``, ``norm.variance_epsilon``), read as it is on the
   Python path; a module named once by a name of the block's own
-  (``norm = model.model.norm``) stands for that module; no ``.input`` or
-  ``.source``, and no location of a module reached other than by its name on
-  the model;
+  (``norm = model.model.norm``) stands for that module; no other ``.input``,
+  no ``.inputs`` or ``.source``, and no location of a module reached other than
+  by its name on the model;
 - no view of a tap's value (``h = layer.output[0]``, ``h[-1]``) is saved,
   kept in a container, handed to a call that may keep or write it, or used after
   a later location is read: on the Python path it is the step's own buffer, which
@@ -46,6 +49,7 @@ from typing import Any
 from .forms import Index, _module_path
 from .lower import Unlowered, _is_envoy, _site
 from .meaning import does_nothing
+from .spec import split_site
 
 #: Stands for the root of a location read on something that is not a name.
 _STRAY = "\x00"
@@ -179,7 +183,7 @@ def replayable(
     bound = _bound(source)
     if "cache" in _attributes(source):
         return Unlowered("form", "it keeps a cache, which records the whole forward")
-    layers: dict[str, tuple[int, ...]] = {}  # a loop's name -> the taps it takes, in order
+    layers: dict[str, tuple[str, int]] = {}  # a loop's name -> the list it takes the modules of
     for name, chain in loops.items():
         head = None if chain[0] in bound else scope.get(chain[0])
         if head is model or _is_envoy(head):
@@ -207,10 +211,11 @@ def replayable(
             continue  # the naming itself: its uses are followed as the module's
         if path[0] in named:
             path = named[path[0]] + path[1:]
-        if path[0] in layers:  # a layer of a loop over the model's layers
-            if len(path) < 2 or path[1] != "output":
-                return Unlowered("form", "it uses a layer of its loop other than through its output")
-            sites.update(layers[path[0]])
+        if path[0] in layers:  # a layer of a loop over the model's layers (or one of its modules)
+            taken = _each(layers[path[0]], path[1:], tables)
+            if isinstance(taken, Unlowered):
+                return taken
+            sites.update(taken)
             continue
         if path in iterated:
             continue  # the loop's own iteration over the layers
@@ -223,6 +228,19 @@ def replayable(
         if head is model and len(path) >= 2 and path[1] in _AT_THE_SAMPLER:
             continue
         parts = [part for part in path[1:] if isinstance(part, str)]
+        if "output" not in parts and "input" in parts and "inputs" not in parts and "source" not in parts:
+            at = path.index("input", 1)  # what a module is handed, where that is a tap's value
+            module_path, where = _where(path[:at], scope, model)
+            if module_path is not None and any(isinstance(p, Index) and p.name in bound for p in module_path):
+                return Unlowered("form", "it names a layer by a name it binds itself")
+            site = None if where is None else tables.handed.get(where)
+            if site is None:
+                shown = where if where is not None else ".".join(str(p) for p in path[:at])
+                return Unlowered(
+                    "not_a_tap", f"it reads `model.{shown}.input`, which is no tap's value on this engine"
+                )
+            sites.add(site)
+            continue
         if "output" not in parts:
             if _LOCATIONS.intersection(parts):
                 return Unlowered("form", "it reads a location other than a tap's output")
@@ -244,8 +262,8 @@ def replayable(
         if site is None:
             shown = where if where is not None else ".".join(str(p) for p in path[:at])
             return Unlowered("not_a_tap", f"it reads `model.{shown}`, which is not a tap on this engine")
-        if site not in tables.tuple_sites:
-            return Unlowered("form", "it reads a tap whose value is not a (hidden, residual) pair")
+        if split_site(where)[1] is not None:
+            return Unlowered("form", "it reads an operation's value other than as what a module is handed")
         sites.add(site)
     if not sites:
         return Unlowered("form", "it reads no tap")
@@ -262,22 +280,70 @@ _LOCATIONS = frozenset({"input", "inputs", "source", "skip", "next", "all", "ite
 _READS = frozenset({"output", "input", "inputs", "source"})
 
 
+def served(sites: Any, tables: Any) -> list[tuple[int, str, bool]]:
+    """How the sampler hands a replayed block the taps it reads, in the order the
+    forward reaches them: (site, the location's path relative to the model and its
+    end, whether the value is a (hidden, residual) pair). An operation's site is
+    served as what its parent's forward hands a child (``<child>.input``, where
+    ``replayable`` found it read); a module's, as its output."""
+    children = {site: child for child, site in tables.handed.items()}
+    found = []
+    for site in sites:
+        path, operation = split_site(tables.sites[site])
+        if operation is not None:
+            found.append((site, f"{children[site]}.input", False))
+        else:
+            found.append((site, f"{path}.output", site in tables.tuple_sites))
+    return sorted(found, key=functools.cmp_to_key(_reached))
+
+
+def _reached(a: tuple[int, str, bool], b: tuple[int, str, bool]) -> int:
+    """The forward's order of two locations: a module's input comes before anything
+    of its children, its output after; otherwise the order of the modules (the
+    tree's order, in which a forward calls them: ``spec.resolve``)."""
+    (site_a, where_a, _), (site_b, where_b, _) = a, b
+    path_a, _, end_a = where_a.rpartition(".")
+    path_b, _, end_b = where_b.rpartition(".")
+    if path_a == path_b:
+        return (end_a == "output") - (end_b == "output")
+    if path_b.startswith(path_a + "."):  # a is b's ancestor
+        return -1 if end_a == "input" else 1
+    if path_a.startswith(path_b + "."):
+        return 1 if end_b == "input" else -1
+    return -1 if site_a < site_b else 1 if site_a > site_b else 0
+
+
 def _children(
     chain: tuple, scope: dict[str, Any], model: Any, tables: Any, module_at: Any
-) -> tuple[int, ...] | Unlowered:
-    """The tap sites of each module a loop over ``chain`` takes (a list of the
-    model's modules, each a ``(hidden, residual)`` tap), in order."""
+) -> tuple[str, int] | Unlowered:
+    """A loop over ``chain`` (a list of the model's modules): the list's path
+    relative to the model, and how many modules it takes."""
     module = _module_at(chain, scope, model, module_at)
     _, where = _where(chain, scope, model)
     if module is None or where is None or not hasattr(module, "__len__"):
         return Unlowered("form", "it loops over something of the model other than a list of its modules")
+    return where, len(module)
+
+
+def _each(taken: tuple[str, int], rest: tuple, tables: Any) -> tuple[int, ...] | Unlowered:
+    """The tap sites a use of a loop's module reads at each module it takes:
+    ``layer.output``, ``layer.mlp.output`` (its module's output) or
+    ``layer.self_attn.o_proj.input`` (what a child is handed, where that is a
+    tap's value)."""
+    where, count = taken
+    ends = [i for i, part in enumerate(rest) if part in ("output", "input")]
+    if not ends or not all(isinstance(part, str) for part in rest[: ends[0]]):
+        return Unlowered("form", "it uses a module of its loop other than through an output or an input")
+    end = ends[0]
+    below = "".join(f".{part}" for part in rest[:end])
+    if _LOCATIONS.intersection(rest[:end]):
+        return Unlowered("form", "it uses a module of its loop other than through an output or an input")
     sites = []
-    for i in range(len(module)):
-        site = tables.site_of.get(f"{where}.{i}" if where else str(i))
+    for i in range(count):
+        path = f"{where}.{i}{below}" if where else f"{i}{below}"
+        site = tables.handed.get(path) if rest[end] == "input" else tables.site_of.get(path)
         if site is None:
-            return Unlowered("not_a_tap", f"it reads `model.{where}.{i}`, which is not a tap on this engine")
-        if site not in tables.tuple_sites:
-            return Unlowered("form", "it reads a tap whose value is not a (hidden, residual) pair")
+            return Unlowered("not_a_tap", f"it reads `model.{path}.{rest[end]}`, which is no tap on this engine")
         sites.append(site)
     return tuple(sites)
 
@@ -499,7 +565,7 @@ class _Views:
 
     def reads_a_location(self, node: ast.AST) -> bool:
         for sub in ast.walk(node):
-            if isinstance(sub, ast.Attribute) and sub.attr in ("output", "logits", "samples", "result"):
+            if isinstance(sub, ast.Attribute) and sub.attr in ("output", "input", "logits", "samples", "result"):
                 return True
         return False
 
@@ -507,7 +573,7 @@ class _Views:
         if isinstance(node, ast.Name):
             return node.id in self.views
         if isinstance(node, ast.Attribute):
-            if node.attr == "output":
+            if node.attr in ("output", "input"):
                 return True  # a tap's value itself
             return node.attr in _ALIASING and self.is_view(node.value)
         if isinstance(node, ast.Subscript):

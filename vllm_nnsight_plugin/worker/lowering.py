@@ -83,7 +83,7 @@ class Lowering:
         if isinstance(block, Unlowered):
             rest = self._split(request, tables, model, block, source)
             if isinstance(rest, Unlowered):
-                return self._replay(request, tables, model, most, rest, digest)
+                return self._replay(request, tables, model, most, rest, digest, source=source)
             block, rest_mediator = rest
             if not self._add(request, tables, for_request(block), rows, most, rest_mediator):
                 return False
@@ -145,11 +145,13 @@ class Lowering:
         why: Any,
         digest: bytes | None = None,
         sites: tuple[int, ...] | None = None,
+        source: str | None = None,
     ) -> bool:
         """A block that reads taps and writes nothing into the forward: its rows
         are kept on the tables and it runs as Python at the sampler, served them
         there (``taps/replay.py``); else ``why`` is recorded. ``sites``: what an
-        earlier request with the same block's bytes (``digest``) was found to read."""
+        earlier request with the same block's bytes (``digest``) was found to read;
+        ``source``: the block's, its ``if``s decided (``meaning.folded``)."""
         from ..taps.kept import Lowered
         from ..taps.ops import KEEP_BOTH
         from ..taps.replay import replayable
@@ -158,10 +160,10 @@ class Lowering:
         mediator = request.mediator
         if sites is None and not getattr(mediator, "may_write", True) and not mediator.caches:
             sites = replayable(
-                nns.block_source(mediator), nns.block_scope(mediator), model, tables, _modules(model)
+                source or nns.block_source(mediator), nns.block_scope(mediator), model, tables, _modules(model)
             )
-            if isinstance(sites, tuple) and not all(s in tables.pair_sites for s in sites):
-                sites = None  # served as the pair of values kept: a longer tuple is not that
+            if isinstance(sites, tuple) and not all(tables.served_whole(s) for s in sites):
+                sites = None  # served as the values kept: a longer tuple, or another width, is not that
             if isinstance(sites, tuple) and digest is not None:
                 self.served[digest] = sites
                 while len(self.served) > _KNOWN_LIMIT:

@@ -407,19 +407,26 @@ class WorkerRuntime:
     def _serve(self, at: dict[int, list[tuple[int, int, int]]], rows: int, step: Step) -> None:
         """Hand the interleaver each tap's value: ``rows`` rows, the kept ones in place."""
         from ..taps.kept import step_rows
+        from ..taps.replay import served
 
         tables, interleaver = self.tables, self.model.interleaver
-        for site in sorted(at):
-            location = f"{self.model.path}.{tables.sites[site]}.output"
+        for site, where, pair in served(at, tables):
+            location = f"{self.model.path}.{where}"
             if interleaver.counts.get(location, 0) != step.visits.get(location, 0):
                 continue  # the forward ran as Python and served it there
             hidden = tables.store.new_zeros((rows, tables.store.shape[-1]))
-            residual = hidden.new_zeros(hidden.shape)
+            residual = hidden.new_zeros(hidden.shape) if pair else None
             for start, count, base in at[site]:
                 first, second = step_rows(base, tables.store, count)
                 hidden[start : start + count] = first
-                residual[start : start + count] = second
-            interleaver.handle(location, (hidden, residual))
+                if residual is not None:
+                    residual[start : start + count] = second
+            if residual is not None:
+                interleaver.handle(location, (hidden, residual))
+            elif where.endswith(".input"):
+                interleaver.handle(location, ((hidden,), {}))
+            else:
+                interleaver.handle(location, hidden)
             self.served_at_sampler += 1
 
     def _on_samples(self, sampled: Any) -> Any:
