@@ -567,3 +567,5 @@ def test_what_could_see_a_buffer_the_next_layer_overwrites_is_not_served(smollm2
     for source in not_served:
         found = check(source)
         assert isinstance(found, Unlowered), source
+    # where everything it reads is served, how it uses a value is the reason
+    assert check(not_served[2]).kind == "view" and "saves a view" in check(not_served[2]).reason

@@ -54,6 +54,10 @@ from .spec import split_site
 #: Stands for the root of a location read on something that is not a name.
 _STRAY = "\x00"
 
+#: The kind of reason of a block that reads only what could be served, and runs as
+#: Python for how it keeps or uses a tap's value (``_aliasing``).
+VIEW = "view"
+
 #: What a block may name on the model besides the tap's output.
 _AT_THE_SAMPLER = frozenset({"logits", "samples", "tokenizer"})
 
@@ -268,8 +272,8 @@ def replayable(
     if not sites:
         return Unlowered("form", "it reads no tap")
     hazard = _aliasing(source, scope, model)
-    if hazard is not None:
-        return Unlowered("form", hazard)
+    if hazard is not None:  # every location it reads is served: this is the reason
+        return Unlowered(VIEW, hazard)
     return tuple(sorted(sites))
 
 

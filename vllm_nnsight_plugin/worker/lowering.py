@@ -153,8 +153,9 @@ class Lowering:
         earlier request with the same block's bytes (``digest``) was found to read;
         ``source``: the block's, its ``if``s decided (``meaning.folded``)."""
         from ..taps.kept import Lowered
+        from ..taps.lower import Unlowered
         from ..taps.ops import KEEP_BOTH
-        from ..taps.replay import replayable
+        from ..taps.replay import VIEW, replayable
         from . import _nnsight as nns
 
         mediator = request.mediator
@@ -169,6 +170,8 @@ class Lowering:
                 while len(self.served) > _KNOWN_LIMIT:
                     self.served.popitem(last=False)
         if not isinstance(sites, tuple):
+            if isinstance(sites, Unlowered) and sites.kind == VIEW:
+                why = sites  # what it reads is all served: how it uses it is the reason
             self.paths.python(request.id, why.kind, why.reason)
             return False
         lowered = Lowered(sites[0], 0, None, None, code=KEEP_BOTH, replay=True)
