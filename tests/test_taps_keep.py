@@ -403,6 +403,35 @@ def test_a_cache_of_a_tap_is_lowered_and_is_the_cache_python_builds(smollm2_llm,
     assert len(navigated) == 4 and all(a[0] is b[0] for a, b in zip(navigated, steps))
 
 
+def mlp_cache(model, tokens, python: bool):
+    with model.trace(PROMPT, temperature=0.0, max_tokens=tokens) as tracer:
+        cache = tracer.cache(modules=[model.model.layers[12].mlp])
+        out = tracer.result.save()
+        if python:
+            out.outputs  # noqa: B018  (a second statement: runs as Python)
+    return cache, out
+
+
+def test_a_cache_of_a_tensor_tap_is_lowered_and_is_the_cache_python_builds(smollm2_llm, smol):
+    """Layer 12's MLP, whose output is one tensor: each step's entry is that tensor."""
+    before = stats(smollm2_llm)
+    got, got_out = mlp_cache(smol, 3, python=False)
+    middle = stats(smollm2_llm)
+    want, want_out = mlp_cache(smol, 3, python=True)
+    assert middle["lowered_by"]["cache"] - before["lowered_by"]["cache"] == 1
+    assert got_out.nnsight_path["form"] == "cache" and not want_out.nnsight_path["lowered"]
+    key = "model.model.layers.12.mlp"
+    assert got.keys() == want.keys() == [key]
+    steps, expected = got[key].output, want[key].output
+    assert len(steps) == len(expected) == 3
+    for a, b in zip(steps, expected):
+        assert type(a) is torch.Tensor and a.device.type == "cpu" and a.dtype == b.dtype
+        assert torch.equal(a, b)
+    assert steps[0].shape[0] > 1 and steps[1].shape[0] == 1
+    assert list(got_out.outputs[0].token_ids) == list(want_out.outputs[0].token_ids)
+    assert got.model.model.layers[12].mlp.output[2] is steps[2]
+
+
 def test_a_keep_of_one_row_a_step_takes_room_for_its_window_only():
     """A probe's keep (``rows.append(<tap>.output[0][-1].clone())`` for ``iter[:n]``)
     keeps one row at each of at most ``n`` steps, however long its prompt: a region

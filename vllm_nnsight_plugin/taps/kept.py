@@ -123,6 +123,9 @@ def kept_saves(lowered: Lowered, store: Any, steps: int, done: int, first: int) 
     if picks_a_row(lowered):  # each step's element is one row: [width]
         data = store[lowered.base : lowered.base + done].clone()
         return {lowered.name: Stacked(data, None) if done >= 2 else list(data.unbind(0))}
+    if lowered.cache is not None and lowered.code != KEEP_BOTH:  # a tensor's tap: its rows
+        rows = Stacked(store[lowered.base : lowered.base + done].clone(), tuple(lengths))
+        return {lowered.name: CachedSteps(lowered.cache, rows)}
     if lowered.cache is not None:  # rows in pairs: each token's two outputs
         pairs = store[lowered.base : lowered.base + 2 * done].view(done, 2, -1)
         hidden, residual = (Stacked(pairs[:, i].clone(), tuple(lengths)) for i in range(2))

@@ -56,7 +56,7 @@ import torch
 from .forms import Form, Index, block_form, outline
 from .kept import Lowered
 from .meaning import canonical, inlined
-from .ops import FILL, PATCH, PATCH_COLUMNS, SCALE
+from .ops import FILL, KEEP_FIRST, PATCH, PATCH_COLUMNS, SCALE
 
 
 @dataclass(frozen=True)
@@ -150,13 +150,15 @@ def lower(
         return _not_a_tap(path, form.entry)
     if form.entry:
         path = tables.sites[site]
-    if not tables.means(site, form.whole):
+    # a cache takes the tap's whole output: a pair, or one tensor (kept alone)
+    tensor_cache = form.cache and site not in tables.tuple_sites
+    if not tables.means(site, form.whole or tensor_cache):
         return Unlowered("form", f"it reads `model.{path}.output` other than as the tap's value")
     if form.unpacks and not {site, *also} <= tables.pair_sites:
         return _UNPACKED
     lowered = Lowered(site, start, stop, form.result)
     if form.code:
-        lowered.code, lowered.name = form.code, form.kept
+        lowered.code, lowered.name = (KEEP_FIRST if tensor_cache else form.code), form.kept
         lowered.select, lowered.single = form.select, form.single
         if form.cache:
             lowered.cache = f"{model.path}.{path}"  # the key nnsight's cache files it under
