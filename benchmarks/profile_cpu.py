@@ -16,7 +16,8 @@ used): ``sweep`` ``--sweep`` prompts x 1 token in one trace, each invoke keeping
 layer L's last row; ``forward`` one prompt, one token, saving the logits
 (latency, median of 20); ``steer`` 64 x 16 adding a vector at layer L every
 step; ``capture`` 64 x 16 keeping layer L's output every step; ``prompt_read``
-64 x 16 keeping layer L's last prompt row.
+64 x 16 keeping layer L's last prompt row; ``probe`` 64 x 16 keeping every
+layer's last row every step (``--every-layer`` taps them all, so it is lowered).
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ def main() -> None:
     parser.add_argument("--jobs", default="sweep,forward,steer,capture,prompt_read")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--taps", action="store_true", help="tap layer L, so steer and capture are lowered")
+    parser.add_argument("--every-layer", action="store_true", help="tap every decoder layer (the probe needs it)")
     parser.add_argument("--batch", type=int, default=64, help="requests in the steer and capture jobs")
     parser.add_argument("--dump", help="folder to write each job's pstats file to")
     args = parser.parse_args()
@@ -113,7 +115,13 @@ def main() -> None:
         kv_cache_memory_bytes=1 << 30,
         max_num_seqs=256,
         max_num_batched_tokens=8192,
-        additional_config={"nnsight_taps": [f"model.layers.{args.layer}.output"]} if args.taps else {},
+        additional_config=(
+            {"nnsight_taps": ["layers"]}
+            if args.every_layer
+            else {"nnsight_taps": [f"model.layers.{args.layer}.output"]}
+            if args.taps
+            else {}
+        ),
     )
     model = VLLM(llm)
     torch.manual_seed(0)
@@ -138,6 +146,10 @@ def main() -> None:
         "capture": (lambda: blocks.capture(model, ids(args.batch), 16), lambda: plain(args.batch, 16)),
         "prompt_read": (
             lambda: blocks.prompt_read(model, ids(args.batch), 16),
+            lambda: plain(args.batch, 16),
+        ),
+        "probe": (
+            lambda: blocks.probe_rows(model, ids(args.batch), 16, args.layers),
             lambda: plain(args.batch, 16),
         ),
     }
