@@ -232,20 +232,8 @@ def replayable(
         if head is model and len(path) >= 2 and path[1] in _AT_THE_SAMPLER:
             continue
         parts = [part for part in path[1:] if isinstance(part, str)]
-        if "output" not in parts and "input" in parts and "inputs" not in parts and "source" not in parts:
-            at = path.index("input", 1)  # what a module is handed, where that is a tap's value
-            module_path, where = _where(path[:at], scope, model)
-            if module_path is not None and any(isinstance(p, Index) and p.name in bound for p in module_path):
-                return Unlowered("form", "it names a layer by a name it binds itself")
-            site = None if where is None else tables.handed.get(where)
-            if site is None:
-                shown = where if where is not None else ".".join(str(p) for p in path[:at])
-                return Unlowered(
-                    "not_a_tap", f"it reads `model.{shown}.input`, which is no tap's value on this engine"
-                )
-            sites.add(site)
-            continue
-        if "output" not in parts:
+        entry = "output" not in parts and "input" in parts and not {"inputs", "source"} & set(parts)
+        if "output" not in parts and not entry:
             if _LOCATIONS.intersection(parts):
                 return Unlowered("form", "it reads a location other than a tap's output")
             module = _module_at(path, scope, model, module_at)
@@ -258,15 +246,20 @@ def replayable(
             if not _self_contained(module):
                 return Unlowered("form", "it calls a module that needs the forward (attention or experts)")
             continue
-        at = path.index("output", 1)
+        end = "input" if entry else "output"  # ``.input``: what a module is handed, where that is a tap's value
+        at = path.index(end, 1)
         module_path, where = _where(path[:at], scope, model)
         if module_path is not None and any(isinstance(p, Index) and p.name in bound for p in module_path):
             return Unlowered("form", "it names a layer by a name it binds itself")
-        site = None if where is None else tables.site_of.get(where)
+        site = None if where is None else _tap_of(tables, where, end)
         if site is None:
             shown = where if where is not None else ".".join(str(p) for p in path[:at])
+            if entry:
+                return Unlowered(
+                    "not_a_tap", f"it reads `model.{shown}.input`, which is no tap's value on this engine"
+                )
             return Unlowered("not_a_tap", f"it reads `model.{shown}`, which is not a tap on this engine")
-        if split_site(where)[1] is not None:
+        if not entry and split_site(where)[1] is not None:
             return Unlowered("form", "it reads an operation's value other than as what a module is handed")
         sites.add(site)
     if not sites:
@@ -329,6 +322,12 @@ def _children(
     return where, len(module)
 
 
+def _tap_of(tables: Any, path: str, end: str) -> int | None:
+    """The tap site serving ``<path>.output``, or ``<path>.input`` where the module's
+    parent hands it a tapped operation's value (``TapTables.handed``)."""
+    return tables.handed.get(path) if end == "input" else tables.site_of.get(path)
+
+
 def _each(taken: tuple[str, int], rest: tuple, tables: Any) -> tuple[int, ...] | Unlowered:
     """The tap sites a use of a loop's module reads at each module it takes:
     ``layer.output``, ``layer.mlp.output`` (its module's output) or
@@ -345,7 +344,7 @@ def _each(taken: tuple[str, int], rest: tuple, tables: Any) -> tuple[int, ...] |
     sites = []
     for i in range(count):
         path = f"{where}.{i}{below}" if where else f"{i}{below}"
-        site = tables.handed.get(path) if rest[end] == "input" else tables.site_of.get(path)
+        site = _tap_of(tables, path, rest[end])
         if site is None:
             return Unlowered("not_a_tap", f"it reads `model.{path}.{rest[end]}`, which is no tap on this engine")
         sites.append(site)
