@@ -6,6 +6,8 @@ as Python, bit for bit."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from vllm import SamplingParams
@@ -140,6 +142,27 @@ def patched_python(model, rows, position):
     return result
 
 
+def lowered_like_python(llm, lowered, python):
+    """Run a patching block lowered, then its Python twin: the first took the form
+    ``patch`` (counted once), the second ran as Python, and both generated alike."""
+    (before,) = llm.collective_rpc("nnsight_stats")
+    got = lowered()
+    (middle,) = llm.collective_rpc("nnsight_stats")
+    want = python()
+    assert got.nnsight_path["form"] == "patch", got.nnsight_path
+    assert middle["lowered_by"]["patch"] - before["lowered_by"]["patch"] == 1
+    assert not want.nnsight_path["lowered"]
+    same_generation([got], [want])
+    return got
+
+
+def moved_from_plain(llm, got) -> None:
+    """The patched request's first logprobs differ from a plain request's: it patched."""
+    (plain,) = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=3, logprobs=3), use_tqdm=False)
+    edited = {t: p.logprob for t, p in got.outputs[0].logprobs[0].items()}
+    assert edited != {t: p.logprob for t, p in plain.outputs[0].logprobs[0].items()}
+
+
 def test_a_patch_is_lowered_and_equals_the_python_path_bit_for_bit(smollm2_llm, smol):
     """Layer 10's stream at one prompt position replaced by another prompt's, as
     the patching page does, lowered (``patch``) and as Python."""
@@ -148,19 +171,12 @@ def test_a_patch_is_lowered_and_equals_the_python_path_bit_for_bit(smollm2_llm, 
         hidden_row, residual_row = clean[0][2].clone().save(), clean[1][2].clone().save()
     rows = (hidden_row, residual_row)
     for position in (2, -1):
-        (before,) = smollm2_llm.collective_rpc("nnsight_stats")
-        got = patched(smol, rows, position)
-        (middle,) = smollm2_llm.collective_rpc("nnsight_stats")
-        want = patched_python(smol, rows, position)
-        assert got.nnsight_path["form"] == "patch", got.nnsight_path
-        assert middle["lowered_by"]["patch"] - before["lowered_by"]["patch"] == 1
-        assert not want.nnsight_path["lowered"]
-        same_generation([got], [want])
-    (plain,) = smollm2_llm.generate(
-        [PROMPT], SamplingParams(temperature=0.0, max_tokens=3, logprobs=3), use_tqdm=False
-    )
-    edited = {t: p.logprob for t, p in got.outputs[0].logprobs[0].items()}
-    assert edited != {t: p.logprob for t, p in plain.outputs[0].logprobs[0].items()}  # it patched
+        got = lowered_like_python(
+            smollm2_llm,
+            partial(patched, smol, rows, position),
+            partial(patched_python, smol, rows, position),
+        )
+    moved_from_plain(smollm2_llm, got)
 
 
 def test_a_patch_of_some_columns_sets_only_those_bit_for_bit():
@@ -198,16 +214,9 @@ def test_a_heads_output_put_back_is_lowered_and_equals_the_python_path_bit_for_b
         heads = smol.model.layers[10].self_attn.o_proj.input[-1].clone().save()
     for head in (0, 3):
         row = heads[head * 64 : (head + 1) * 64]
-        (before,) = smollm2_llm.collective_rpc("nnsight_stats")
-        got = heads_patched(smol, row, head, python=False)
-        (middle,) = smollm2_llm.collective_rpc("nnsight_stats")
-        want = heads_patched(smol, row, head, python=True)
-        assert got.nnsight_path["form"] == "patch", got.nnsight_path
-        assert middle["lowered_by"]["patch"] - before["lowered_by"]["patch"] == 1
-        assert not want.nnsight_path["lowered"]
-        same_generation([got], [want])
-    (plain,) = smollm2_llm.generate(
-        [PROMPT], SamplingParams(temperature=0.0, max_tokens=3, logprobs=3), use_tqdm=False
-    )
-    edited = {t: p.logprob for t, p in got.outputs[0].logprobs[0].items()}
-    assert edited != {t: p.logprob for t, p in plain.outputs[0].logprobs[0].items()}  # it patched
+        got = lowered_like_python(
+            smollm2_llm,
+            partial(heads_patched, smol, row, head, python=False),
+            partial(heads_patched, smol, row, head, python=True),
+        )
+    moved_from_plain(smollm2_llm, got)
