@@ -17,7 +17,9 @@ layer L's last row; ``forward`` one prompt, one token, saving the logits
 (latency, median of 20); ``steer`` 64 x 16 adding a vector at layer L every
 step; ``capture`` 64 x 16 keeping layer L's output every step; ``prompt_read``
 64 x 16 keeping layer L's last prompt row; ``probe`` 64 x 16 keeping every
-layer's last row every step (``--every-layer`` taps them all, so it is lowered).
+layer's last row every step (``--every-layer`` taps them all, so it is lowered);
+``patch`` 64 x 16, each request patching one prompt position of layer L with a
+clean prompt's rows (activation patching, as the patching page writes it).
 """
 
 from __future__ import annotations
@@ -127,6 +129,7 @@ def main() -> None:
     torch.manual_seed(0)
     vector = torch.randn(128)
     blocks.LAYER = args.layer
+    blocks.PROMPT_LEN = 8  # the prompts below: the positions patching restores
     runs = iter(range(1_000_000))
 
     def ids(n: int) -> list[list[int]]:
@@ -134,6 +137,10 @@ def main() -> None:
         would otherwise be served from the prefix cache (a traced one never is)."""
         run = next(runs)
         return [[2 + run % 400, 2 + run // 400, 2 + i % 400, 2 + i // 400, 5, 6, 7, 8] for i in range(n)]
+
+    @functools.cache
+    def clean() -> tuple:
+        return blocks.clean_rows(model, ids(1)[0])
 
     def plain(n: int, tokens: int) -> None:
         params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False)
@@ -150,6 +157,10 @@ def main() -> None:
         ),
         "probe": (
             lambda: blocks.probe_rows(model, ids(args.batch), 16, args.layers),
+            lambda: plain(args.batch, 16),
+        ),
+        "patch": (
+            lambda: blocks.patch(model, ids(args.batch), 16, clean()),
             lambda: plain(args.batch, 16),
         ),
     }
