@@ -170,3 +170,58 @@ def test_a_traces_invokes_share_a_pickle_only_where_their_own_would_be_the_same(
                 client.model.layers[3].output[0][:] += vector
     signed = [params.extra_args["nnsight"] for params in tracer.prepared.params]
     assert signed[0] != signed[1]  # a signed envelope is good once: each has its own nonce
+
+
+def test_a_captured_view_of_a_larger_tensor_travels_as_a_copy_of_its_own():
+    """A row of a saved activation goes as the row: the same values, shape, strides
+    and dtype, a storage of its own. A view whose storage something else the block
+    captures reaches, a saved one, one that needs grad, a strided one, or any view
+    beside a captured value this cannot see into, goes as it is."""
+    from nnsight.tracing.tracer import _saves
+
+    clean = torch.randn(64, 576)
+    row, column = clean[5], clean[:, 3]
+    (scope,) = client_nns.compacted({"row": row, "n": 3, "torch": torch})
+    assert scope["row"] is not row and torch.equal(scope["row"], row)
+    assert scope["row"].shape == row.shape and scope["row"].stride() == row.stride()
+    assert scope["row"].untyped_storage().nbytes() == 576 * 4 and scope["n"] == 3
+    for kept in (
+        {"row": row, "clean": clean},  # the activation itself
+        {"row": row, "rows": [clean[0], (clean[1],)]},  # a list of its rows
+        {"row": row, "other": object()},  # something it cannot see into
+        {"column": column},  # strided
+        {"row": torch.randn(64, 576, requires_grad=True)[5]},
+        {"small": torch.randn(4, 8)[1]},  # its storage is no larger by much
+    ):
+        assert all(a is b for a, b in zip(client_nns.compacted(kept)[0].values(), kept.values()))
+    _saves().add(id(row))
+    try:
+        assert client_nns.compacted({"row": row})[0]["row"] is row  # saved: its name travels
+    finally:
+        _saves().discard(id(row))
+
+
+def test_invokes_patching_rows_of_one_activation_each_carry_their_row(trees):
+    """Activation patching as people write it: each invoke captures one row of a
+    saved activation. Each envelope carries that row, not the activation; the block
+    loads with the row's values; invokes capturing the very same view share a pickle."""
+    from vllm_nnsight_plugin.wire.envelope import open_envelope
+
+    client, worker = trees
+    client_nns.reduce_once()
+    clean = torch.randn(256, 576)
+    views = {3: clean[3], 4: clean[4]}
+    with client.requests(temperature=0.0, max_tokens=2) as tracer:
+        for position in (3, 4, 4):
+            row = views[position]
+            with tracer.invoke("The capital of France is"):
+                client.model.layers[3].output[0][position] = row
+    blocks = [params.extra_args["nnsight"] for params in tracer.prepared.params]
+    payloads = [
+        open_envelope(b, nnsight_version=SUPPORTED_NNSIGHT, plugin_version="x").block_bytes() for b in blocks
+    ]
+    assert all(len(p) < 32 * 576 for p in payloads)  # the activation is 256 x 576 floats
+    assert blocks[1] is blocks[2] and blocks[0] != blocks[1]  # the same view: one pickle
+    persistent = {**nns.persistent_objects(worker), **envoy_references(worker)}
+    for payload, position in zip(payloads, (3, 4, 4)):
+        assert torch.equal(nns.load_block(payload, persistent).lcls["row"], clean[position])

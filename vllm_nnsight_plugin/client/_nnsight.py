@@ -17,6 +17,11 @@ the same captured values. :func:`reduce_once` installs two memos:
   steering vector on a GPU is then copied to the host once per trace, not once
   per request.
 
+The reduction also sends each captured view of a larger tensor as a copy of its own
+(:func:`compacted`): a row taken from a saved ``[tokens, hidden]`` activation
+(``hidden_row = clean[position]``, activation patching) would otherwise carry its
+whole storage with every request, a thousand times the row.
+
 Installed for the process on first use and never removed (a swap per trace
 would race between threads); the memos are bounded.
 """
@@ -27,6 +32,8 @@ import ast
 import contextlib
 import contextvars
 import functools
+import types
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -45,6 +52,7 @@ TOUCHES: tuple[tuple[str, str], ...] = (
     ("nnsight.intervention.serialization", "_function_referenced_names"),
     ("nnsight.modeling.vllm.vllm", "dumps"),
     ("nnsight.intervention.interleaver", "Mediator.__getstate__"),
+    ("nnsight.tracing.tracer", "_saves"),
 )
 
 _MEMO_SIZE = 4096
@@ -80,11 +88,105 @@ def _reduce_block(node: Any, globals: dict, locals: dict) -> tuple:
         if len(_SOURCES) >= _MEMO_SIZE:
             _SOURCES.clear()
         kept = _SOURCES[id(node)] = (node, _block_source(node))
-    return serialization.code_reduce(kept[1], globals, locals)
+    source, used_globals, used_locals = serialization.code_reduce(kept[1], globals, locals)
+    return (source, *compacted(used_globals, used_locals))
+
+
+#: A captured tensor whose storage is at least twice its size, and larger by this
+#: many bytes, travels as a copy of its own.
+_SLACK_BYTES = 4096
+#: How deep, and over how many items, the captured containers are searched for
+#: other tensors on the same storage (a larger or unknown one: nothing is copied).
+_DEPTH, _ITEMS = 4, 10_000
+
+
+def compacted(*scopes: dict) -> tuple[dict, ...]:
+    """The captured scopes with each captured view of a larger storage (a row of
+    a saved activation) replaced by a compact copy, so its pickle carries the row
+    and not the storage around it.
+
+    The copy holds the same values, with the same shape, strides, dtype and
+    device; only its storage differs (offset 0, no neighbours), and the worker's
+    tensor is a copy of its own either way. Only where that is all: a plain,
+    contiguous tensor that needs no grad and is not saved, whose storage nothing
+    else the block captures reaches (a list of rows, the activation itself), so
+    no two captured values share storage on one side and not on the other. A
+    captured value of a kind this cannot see into leaves every tensor as it is.
+    """
+    found: list[torch.Tensor] = []
+    if not all(_reach(value, found, 0) for scope in scopes for value in scope.values()):
+        return scopes
+    if not any(_worth_copying(t) for t in found):
+        return scopes
+    shared = Counter(_storage(t) for t in found)
+    from nnsight.tracing.tracer import _saves
+
+    saved = _saves()
+    copies = _COPIES.get()
+    out = []
+    for scope in scopes:
+        scope = dict(scope)
+        for name, value in scope.items():
+            if (
+                type(value) is torch.Tensor
+                and _worth_copying(value)
+                and shared[_storage(value)] == 1
+                and id(value) not in saved
+            ):
+                scope[name] = _copy_of(value, copies)
+        out.append(scope)
+    return tuple(out)
+
+
+def _copy_of(value: torch.Tensor, copies: dict | None) -> torch.Tensor:
+    """One copy per captured view within an attach, so invokes that capture the
+    same view still share a pickle (the memo keys on the objects)."""
+    if copies is None:
+        return value.clone()
+    kept = copies.get(id(value))
+    if kept is None or kept[0] is not value:
+        kept = copies[id(value)] = (value, value.clone())
+    return kept[1]
+
+
+def _worth_copying(value: torch.Tensor) -> bool:
+    if value.layout is not torch.strided or value.requires_grad or value.is_quantized or not value.is_contiguous():
+        return False
+    size = value.untyped_storage().nbytes()
+    used = value.numel() * value.element_size()
+    return size >= 2 * used and size - used >= _SLACK_BYTES
+
+
+def _storage(value: torch.Tensor) -> tuple[str, int]:
+    return str(value.device), value.untyped_storage().data_ptr()
+
+
+#: Kinds pickled by name, holding no tensor of the block's.
+_BY_REFERENCE = (type, types.ModuleType, types.BuiltinFunctionType, torch.dtype, torch.device)
+
+
+def _reach(value: Any, found: list, depth: int) -> bool:
+    """Collect the tensors ``value`` holds (every reference counts); False where it
+    may hold tensors this cannot see."""
+    kind = type(value)
+    if kind in _PLAIN or isinstance(value, _BY_REFERENCE) or isinstance(value, Tracer):
+        return True
+    if isinstance(value, torch.Tensor):
+        found.append(value)
+        return True
+    if "_persistent_id" in getattr(value, "__dict__", {}):
+        return True  # pickled as a reference (the model's envoys)
+    if kind in (list, tuple, set, frozenset) and depth < _DEPTH and len(value) <= _ITEMS:
+        return all(_reach(item, found, depth + 1) for item in value)
+    if kind is dict and depth < _DEPTH and len(value) <= _ITEMS:
+        return all(_reach(k, found, depth + 1) and _reach(v, found, depth + 1) for k, v in value.items())
+    return False
 
 
 #: The pickles made so far in the current :func:`one_pickle_per_block` (None: outside one).
 _PICKLES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("vllm_nnsight_pickles", default=None)
+#: The compact copies made so far in the current :func:`one_pickle_per_block`.
+_COPIES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("vllm_nnsight_copies", default=None)
 _PLAIN = (int, float, complex, bool, str, bytes, type(None))
 
 
@@ -95,10 +197,11 @@ def one_pickle_per_block() -> Iterator[None]:
     Meant for the span of one trace's attach, where no user code runs between
     two invokes' pickles, so a captured object cannot change in between.
     """
-    token = _PICKLES.set({})
+    token, copies = _PICKLES.set({}), _COPIES.set({})
     try:
         yield
     finally:
+        _COPIES.reset(copies)
         _PICKLES.reset(token)
 
 
