@@ -185,9 +185,16 @@ def test_a_captured_view_of_a_larger_tensor_travels_as_a_copy_of_its_own():
     assert scope["row"] is not row and torch.equal(scope["row"], row)
     assert scope["row"].shape == row.shape and scope["row"].stride() == row.stride()
     assert scope["row"].untyped_storage().nbytes() == 576 * 4 and scope["n"] == 3
+    both = torch.randn(2, 32, 576)  # a save's hidden state and residual, come home in one storage
+    hidden_row, residual_row = both[0][5], both[1][5]
+    scope = client_nns.compacted({"h": hidden_row, "r": residual_row})[0]
+    assert scope["h"] is not hidden_row and scope["r"] is not residual_row  # they do not overlap
+    assert torch.equal(scope["h"], hidden_row) and torch.equal(scope["r"], residual_row)
     for kept in (
         {"row": row, "clean": clean},  # the activation itself
-        {"row": row, "rows": [clean[0], (clean[1],)]},  # a list of its rows
+        {"row": row, "again": [row]},  # the same row twice
+        {"row": row, "block": clean[4:8]},  # rows around it
+        {"row": row, "rows": [clean[0], (clean[5],)]},  # a list holding the same row again
         {"row": row, "other": object()},  # something it cannot see into
         {"column": column},  # strided
         {"row": torch.randn(64, 576, requires_grad=True)[5]},
@@ -209,19 +216,23 @@ def test_invokes_patching_rows_of_one_activation_each_carry_their_row(trees):
 
     client, worker = trees
     client_nns.reduce_once()
-    clean = torch.randn(256, 576)
-    views = {3: clean[3], 4: clean[4]}
+    clean = torch.randn(2, 128, 576)  # hidden state and residual, in one storage as saves come home
+    views = {3: (clean[0][3], clean[1][3]), 4: (clean[0][4], clean[1][4])}
     with client.requests(temperature=0.0, max_tokens=2) as tracer:
         for position in (3, 4, 4):
-            row = views[position]
+            row, residual_row = views[position]
             with tracer.invoke("The capital of France is"):
-                client.model.layers[3].output[0][position] = row
+                out = client.model.layers[3].output
+                out[0][position] = row
+                out[1][position] = residual_row
     blocks = [params.extra_args["nnsight"] for params in tracer.prepared.params]
     payloads = [
         open_envelope(b, nnsight_version=SUPPORTED_NNSIGHT, plugin_version="x").block_bytes() for b in blocks
     ]
-    assert all(len(p) < 32 * 576 for p in payloads)  # the activation is 256 x 576 floats
+    assert all(len(p) < 32 * 576 for p in payloads)  # the activations are 2 x 128 x 576 floats
     assert blocks[1] is blocks[2] and blocks[0] != blocks[1]  # the same view: one pickle
     persistent = {**nns.persistent_objects(worker), **envoy_references(worker)}
     for payload, position in zip(payloads, (3, 4, 4)):
-        assert torch.equal(nns.load_block(payload, persistent).lcls["row"], clean[position])
+        block = nns.load_block(payload, persistent)
+        assert torch.equal(block.lcls["row"], clean[0][position])
+        assert torch.equal(block.lcls["residual_row"], clean[1][position])

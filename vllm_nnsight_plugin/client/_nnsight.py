@@ -33,7 +33,6 @@ import contextlib
 import contextvars
 import functools
 import types
-from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -108,17 +107,22 @@ def compacted(*scopes: dict) -> tuple[dict, ...]:
     The copy holds the same values, with the same shape, strides, dtype and
     device; only its storage differs (offset 0, no neighbours), and the worker's
     tensor is a copy of its own either way. Only where that is all: a plain,
-    contiguous tensor that needs no grad and is not saved, whose storage nothing
-    else the block captures reaches (a list of rows, the activation itself), so
-    no two captured values share storage on one side and not on the other. A
-    captured value of a kind this cannot see into leaves every tensor as it is.
+    contiguous tensor that needs no grad and is not saved, whose elements nothing
+    else the block captures reaches (the activation itself, a list holding the
+    same row), so no write through one captured value shows through another on
+    one side and not the other. Rows of one storage that do not overlap (a
+    patched position's hidden state and residual, which came home together) are
+    each copied. A captured value of a kind this cannot see into leaves every
+    tensor as it is.
     """
     found: list[torch.Tensor] = []
     if not all(_reach(value, found, 0) for scope in scopes for value in scope.values()):
         return scopes
     if not any(_worth_copying(t) for t in found):
         return scopes
-    shared = Counter(_storage(t) for t in found)
+    extents: dict[tuple[str, int], list[tuple[int, int]]] = {}
+    for t in found:
+        extents.setdefault(_storage(t), []).append(_extent(t))
     from nnsight.tracing.tracer import _saves
 
     saved = _saves()
@@ -130,7 +134,7 @@ def compacted(*scopes: dict) -> tuple[dict, ...]:
             if (
                 type(value) is torch.Tensor
                 and _worth_copying(value)
-                and shared[_storage(value)] == 1
+                and _alone(value, extents[_storage(value)])
                 and id(value) not in saved
             ):
                 scope[name] = _copy_of(value, copies)
@@ -159,6 +163,23 @@ def _worth_copying(value: torch.Tensor) -> bool:
 
 def _storage(value: torch.Tensor) -> tuple[str, int]:
     return str(value.device), value.untyped_storage().data_ptr()
+
+
+def _extent(value: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage a tensor can reach, ``[start, end)`` (empty: none)."""
+    if value.numel() == 0:
+        return 0, 0
+    size, offset = value.element_size(), value.storage_offset()
+    last = sum((n - 1) * step for n, step in zip(value.shape, value.stride()))
+    return offset * size, (offset + last + 1) * size
+
+
+def _alone(value: torch.Tensor, extents: list[tuple[int, int]]) -> bool:
+    """Whether no other captured reference to its storage reaches its bytes."""
+    others = list(extents)
+    others.remove(_extent(value))  # its own reference
+    start, end = _extent(value)
+    return all(b <= start or a >= end or a == b for a, b in others)
 
 
 #: Kinds pickled by name, holding no tensor of the block's.
