@@ -55,12 +55,14 @@ SESSION_TAPS = [
     "model.layers.20.output",
     "model.layers.10.self_attn.source.self_attn_0.output",
     "model.layers.12.mlp.output",
+    "model.layers.12.mlp.act_fn.output",  # 1536 neurons: wider than the hidden state
 ]
 #: The sites those patterns resolve to, in model order.
 SESSION_SITES = [
     "model.layers.10",
     "model.layers.10.self_attn.source.self_attn_0",
     "model.layers.12.mlp",
+    "model.layers.12.mlp.act_fn",
     "model.layers.20",
 ]
 

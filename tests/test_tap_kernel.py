@@ -19,7 +19,9 @@ CHECK = r"""
 import sys
 import torch
 from vllm_nnsight_plugin.taps import ops
-from tests.gpu.test_gpu_kernel import busy_tables, check_against_the_tensor_operations, patched_rows, projected_rows
+from tests.gpu.test_gpu_kernel import (
+    busy_tables, check_a_value_of_another_width, check_against_the_tensor_operations, patched_rows, projected_rows,
+)
 
 assert ops._kernel() is not None
 dtype = getattr(torch, sys.argv[1])
@@ -39,6 +41,11 @@ for width in (576, 100):
 
             check_against_the_tensor_operations(hidden, residual, table, bank, edits, site, dtype, launch)
     assert bool(projected_rows(table, how, 0, rows).any()) and bool(patched_rows(table, how, 0, rows).any())
+for width in (1536, 100):  # another width than the bank's: an MLP's neurons, a narrower value
+    def launch(hidden, table, bank, how, site, keeps, store):
+        return ops.launch(ops._kernel(), hidden, hidden, table, bank, how, store, site, keeps)
+
+    check_a_value_of_another_width(width, dtype, "cpu", launch)
 print("same")
 """
 

@@ -513,13 +513,39 @@ def test_a_served_block_keeps_each_step_at_the_start_of_a_region_per_tap():
         mine = starts[req_ids.index("s")]
         count = counts[req_ids.index("s")]
         for site, base in served.regions:
-            first, second = step_rows(base, tables.store, count)
+            first, second = step_rows(base, tables.store, count, 3)
             assert torch.equal(first, values[site][0][mine : mine + count])
             assert torch.equal(second, values[site][1][mine : mine + count])
     lowered, forwards = tables.forget("s")
     assert forwards == 2 and tables.saves(lowered) == {} and not tables.overflowed(lowered)
     tables.release(lowered)
     assert tables.regions.free_rows() == 63 and len(tables.free) == 4
+
+
+def test_a_served_tap_wider_than_the_store_keeps_each_row_over_several_of_its_rows():
+    """A tap 7 wide beside a store 3 wide (an MLP's neurons beside the hidden state):
+    once its width is seen, a served request's entry there takes 2 x 3 rows of the
+    store per token row, and each step's rows read back whole."""
+    from tests.test_taps import bounds
+    from vllm_nnsight_plugin.taps.install import Lowered, TapTables
+    from vllm_nnsight_plugin.taps.kept import step_rows
+    from vllm_nnsight_plugin.taps.ops import KEEP_BOTH
+
+    tables = TapTables(("model.layers.0.mlp.act_fn",), max_tokens=8, hidden=3, entries=4, device="cpu", store_size=64)
+    assert tables.replay_stride(0) == 2  # its width is not known yet: the hidden state's
+    torch.ops.vllm_nnsight.steer(torch.zeros(8, 7), torch.zeros(8, 7), tables.slots, tables.bank, tables.how, 0)
+    assert tables.width(0) == 7 and tables.replay_stride(0) == 6
+    served = Lowered(0, 0, None, None, code=KEEP_BOTH, replay=True)
+    assert tables.add("s", served, room=6 * 4)
+    for starts, counts in [([0, 2], [2, 4]), ([0, 1], [1, 1])]:
+        tables.fill(["p", "s"], bounds(starts, counts))
+        neurons = torch.randn(8, 7)
+        torch.ops.vllm_nnsight.keep(neurons, neurons, tables.codes, tables.dest, tables.store, 0)
+        first, second = step_rows(served.base, tables.store, counts[1], 7)
+        assert torch.equal(first, neurons[starts[1] : starts[1] + counts[1]]) and torch.equal(first, second)
+    lowered, _ = tables.forget("s")
+    tables.release(lowered)
+    assert tables.regions.free_rows() == 63
 
 
 def test_what_could_see_a_buffer_the_next_layer_overwrites_is_not_served(smollm2_llm, smol):

@@ -93,6 +93,55 @@ def check_against_the_tensor_operations(hidden, residual, table, bank, how, site
     assert not torch.equal(got, hidden)  # some rows were edited
 
 
+def check_a_value_of_another_width(width, dtype, device, launch) -> None:
+    """A tap whose value is ``width`` wide beside a bank and store 576 wide (an MLP's
+    neurons): the kernel (``launch(hidden, keeps, store)``) against the tensor
+    operations, bit for bit; only the edits that read no bank row (scaled, filled)
+    touch it; each kept row lies flat over the store's rows from its destination."""
+    generator = torch.Generator().manual_seed(width)
+    rows, sites, bank_width = 37, 3, 576
+    table, bank, how = busy_tables(rows, bank_width, sites, generator, device=device)
+    k = ops.chunks(width, bank_width)
+    # room for 2k rows (code 4's two values) per kept row, after row 0
+    place = 2 * k * (1 + torch.arange(sites)[None, :] * rows + torch.arange(rows)[:, None])
+    table[:rows, 2] = torch.where(table[:rows, 1] > 0, place.to(device), 0).to(torch.int32)
+    slots, codes, dest = (table[:, part].t() for part in range(3))
+    edited = 0
+    for site in range(sites):
+        hidden = torch.randn((rows, width), generator=generator).to(dtype).to(device)
+        mode = torch.where(slots[site, :rows] >= 0, how[slots[site, :rows].clamp(min=0).long(), 0], -1.0)
+        changed = (mode == ops.SCALE) | (mode == ops.FILL)
+        for keeps in (0, 2):
+            store = torch.zeros((2 * k * (rows * sites + 2), bank_width), dtype=dtype, device=device)
+            want_store = store.clone()
+            want = ops.steer(hidden, hidden, slots, bank, how, site)
+            if keeps:
+                ops.keep(want, want, codes, dest, want_store, site)
+            got = launch(hidden, table, bank, how, site, keeps, store)
+            assert torch.equal(got, want), keeps
+            assert torch.equal(got[~changed], hidden[~changed])  # no other edit reaches it
+            edited += int((got != hidden).any(-1).sum())  # those do
+            assert torch.equal(store[1:], want_store[1:]), keeps
+            if keeps:
+                flat = store.view(-1)
+                for row in range(rows):
+                    code, at = int(codes[site, row]), int(dest[site, row]) * bank_width
+                    if code in (1, 4):
+                        assert torch.equal(flat[at : at + width], got[row])
+                    if code == 4:
+                        assert torch.equal(flat[at + k * bank_width : at + k * bank_width + width], got[row])
+    assert edited  # some rows were scaled or filled
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("width", [1536, 100])
+def test_the_tap_kernel_on_a_value_of_another_width_than_the_bank(dtype, width):
+    def launch(hidden, table, bank, how, site, keeps, store):
+        return torch.ops.vllm_nnsight.tap(hidden, hidden, table, bank, how, store, site, keeps)
+
+    check_a_value_of_another_width(width, dtype, "cuda", launch)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("width", [576, 4096])
 def test_the_tap_kernel_computes_what_the_tensor_operations_do(dtype, width):

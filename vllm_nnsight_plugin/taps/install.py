@@ -214,7 +214,7 @@ class TapTables:
         self._stop[entry] = _NEVER if lowered.stop is None else lowered.stop
         self._steps[entry] = self._done[entry] = self._first[entry] = 0
         self._base[entry], self._room[entry] = lowered.base, lowered.rows
-        self._stride[entry] = lowered.stride
+        self._stride[entry] = self._stride_at(lowered, lowered.site)
         self._pick[entry], self._last[entry] = _pick(lowered)
         self._ring[entry] = lowered.replay
         self.requests[request_id] = lowered
@@ -226,6 +226,7 @@ class TapTables:
                 for array in self._per_entry:
                     array[extra] = array[entry]
                 self._site[extra] = site
+                self._stride[extra] = self._stride_at(lowered, site)
                 if lowered.code:  # a keep: its own region
                     self._base[extra] = dict(lowered.regions)[site]
                 self._lowered[extra] = lowered
@@ -233,16 +234,32 @@ class TapTables:
 
     def served_whole(self, site: int) -> bool:
         """Whether the rows a tap keeps are its whole value, as a block reads it: a
-        (hidden, residual) pair, or one tensor as wide as the bank (a module's
-        output, or an operation's value that a child is handed)."""
-        return site in self.pair_sites or (site not in self.tuple_sites and self.means(site, whole=True))
+        (hidden, residual) pair, or one tensor of any width (a module's output, an
+        MLP's neurons, or an operation's value that a child is handed)."""
+        return site in self.pair_sites or (
+            site not in self.tuple_sites and self.means(site, whole=True, any_width=True)
+        )
 
-    def means(self, site: int, whole: bool) -> bool:
+    def width(self, site: int) -> int:
+        """The width of the tap's value, once it has run (the hidden size until then)."""
+        value = ops.seen(self.slots, site)
+        return value[0][-1] if value is not None and len(value[0]) == 2 else self.hidden
+
+    def replay_stride(self, site: int) -> int:
+        """Rows of the store a served block's token row takes at a tap: both values,
+        each over as many rows as its width needs (``ops.chunks``)."""
+        return 2 * ops.chunks(self.width(site), self.store.shape[-1])
+
+    def _stride_at(self, lowered: Lowered, site: int) -> int:
+        return self.replay_stride(site) if lowered.replay else lowered.stride
+
+    def means(self, site: int, whole: bool, any_width: bool = False) -> bool:
         """Whether a block's reading of the tap is what the operations see there.
 
         ``whole``: the block uses ``output`` itself (a module returning a tensor, or
         an operation); otherwise ``output[0]``/``output[1]`` (a tuple-returning
-        forward, whose first value is the hidden state). A tensor's width is only
+        forward, whose first value is the hidden state); ``any_width``: a value of
+        another width than the hidden state's will do. A tensor's width is only
         known once it has run through the tap (``ops.seen``: the engine's first
         forward, which a GPU engine runs before it serves and an eager CPU engine
         with its first step); until then such blocks run as Python. What ran must
@@ -258,7 +275,7 @@ class TapTables:
         shape, dtype = value
         if ops.passed(self.codes, site) != (2 if whole else 1):
             return False
-        return len(shape) == 2 and shape[1] == self.hidden and dtype == self.store.dtype
+        return len(shape) == 2 and (any_width or shape[1] == self.hidden) and dtype == self.store.dtype
 
     def forget(self, request_id: str) -> tuple[Lowered, int] | None:
         """Take a request off the tables: its entry and how many forwards it was in."""

@@ -96,10 +96,14 @@ def picks_a_row(lowered: Lowered) -> bool:
     return lowered.select is not None and not lowered.single
 
 
-def step_rows(base: int, store: Any, count: int) -> tuple[Any, Any]:
+def step_rows(base: int, store: Any, count: int, width: int) -> tuple[Any, Any]:
     """A replayed request's ``count`` rows of this step at one tap (its region
-    starts at ``base``), as the tap's two outputs."""
-    pairs = store[base : base + 2 * count].view(count, 2, -1)
+    starts at ``base``), as the tap's two outputs, ``width`` wide (each over
+    ``ops.chunks`` rows of the store)."""
+    from .ops import chunks
+
+    k = chunks(width, store.shape[-1])
+    pairs = store[base : base + 2 * k * count].view(count, 2, -1)[..., :width]
     return pairs[:, 0], pairs[:, 1]
 
 

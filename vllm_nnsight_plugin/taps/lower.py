@@ -152,8 +152,11 @@ def lower(
         path = tables.sites[site]
     # a cache takes the tap's whole output: a pair, or one tensor (kept alone)
     tensor_cache = form.cache and site not in tables.tuple_sites
-    if not tables.means(site, form.whole or tensor_cache):
+    # a value scaled or filled reads no bank row: a tap of any width takes it (an MLP's neurons)
+    changes = form.change is not None and not form.code and form.project is None and not also
+    if not tables.means(site, form.whole or tensor_cache, any_width=changes):
         return Unlowered("form", f"it reads `model.{path}.output` other than as the tap's value")
+    width = tables.width(site)
     if form.unpacks and not {site, *also} <= tables.pair_sites:
         return _UNPACKED
     lowered = Lowered(site, start, stop, form.result)
@@ -165,10 +168,12 @@ def lower(
         return LoweredBlock(path, lowered, None, also)
     lowered.select = form.select  # one row of each step, or None: every row
     form = _patch_of(form, scope)
+    if width != tables.hidden and (form.patch is not None or form.change is None):
+        return Unlowered("form", f"it sets rows of `model.{path}.output`, wider or narrower than the bank")
     if form.patch is not None:
         return _patched(form, scope, path, site, lowered, also, tables)
     if form.change is not None:
-        how = _change(form, scope, tables.hidden, dtype)
+        how = _change(form, scope, width, dtype)
         if isinstance(how, Unlowered):
             return how
         zeros = torch.zeros(tables.hidden, dtype=torch.float32, device=tables.device)

@@ -63,8 +63,11 @@ All are ``torch.library`` custom ops with fake implementations, so
 torch.compile keeps each whole (one opaque call in the graph) and a CUDA graph
 records their kernels, which read the tables' current contents at every replay.
 
-A tap whose value is not as wide as the bank (an operation of another width) is
-left as it is: ``steer`` returns a copy and ``keep`` writes nothing. ``steer``
+A tap whose value is not as wide as the bank (an MLP's neurons, a projection's
+output) takes the edits that read no bank row (3 and 4: scaled or filled on
+columns; ``steer`` leaves its rows as they are for any other), and ``keep``
+writes each of its rows over as many consecutive rows of the store as it needs
+(:func:`chunks`; code 4's second value in the rows after them). ``steer``
 notes each site's width and dtype when it runs (the engine's first forwards,
 before any request), so lowering can check them (:func:`seen`).
 """
@@ -87,6 +90,11 @@ NAMESPACE = "vllm_nnsight"
 KEEP_FIRST, KEEP_SECOND, KEEP_SUM, KEEP_BOTH = 1, 2, 3, 4
 
 _SEEN: dict[tuple[int, int], tuple[tuple[int, ...], torch.dtype]] = {}
+
+
+def chunks(width: int, store_width: int) -> int:
+    """Rows of the store one kept row of ``width`` values takes."""
+    return max(1, -(-width // store_width))
 
 
 def seen(slots: torch.Tensor, site: int) -> tuple[tuple[int, ...], torch.dtype] | None:
@@ -153,11 +161,15 @@ def _steered(
     pair: bool,
 ) -> torch.Tensor:
     _SEEN[slots.data_ptr(), site] = (tuple(hidden.shape), hidden.dtype)
-    if hidden.dim() != 2 or hidden.shape[-1] != bank.shape[-1] or hidden.shape[0] > slots.shape[1]:
+    if hidden.dim() != 2 or hidden.shape[0] > slots.shape[1]:
         return hidden.clone()
     index = slots[site, : hidden.shape[0]]
     safe = index.clamp(min=0).long()
     mode = torch.where(index >= 0, how[safe, 0], -1.0)
+    if hidden.shape[-1] != bank.shape[-1]:  # another width: only what reads no bank row
+        if hidden.is_cuda or bool(((mode == SCALE) | (mode == FILL)).any()):
+            return _changed_rows(hidden, hidden, mode, safe, how)
+        return hidden.clone()
     hit = (mode == ADD).unsqueeze(-1)
     added = hidden.float() + bank.index_select(0, safe)
     out = torch.where(hit, added.to(hidden.dtype), hidden)
@@ -300,15 +312,34 @@ def keep(
 ) -> None:
     _PASSED[codes.data_ptr(), site] = 2 if first.data_ptr() == second.data_ptr() else 1
     rows = first.shape[0]
-    if first.dim() != 2 or first.shape[-1] != store.shape[-1] or rows > codes.shape[1]:
+    if first.dim() != 2 or rows > codes.shape[1] or second.shape != first.shape:
         return
     code = codes[site, :rows].unsqueeze(-1)
     value = torch.where(code == KEEP_SECOND, second, first)
     value = torch.where(code == KEEP_SUM, first + second, value)
     places = dest[site, :rows].long()
-    store.index_copy_(0, places, value.to(store.dtype))
-    pairs = torch.where(code.squeeze(-1) == KEEP_BOTH, places + 1, 0)  # the rest to row 0
-    store.index_copy_(0, pairs, second.to(store.dtype))
+    width = store.shape[-1]
+    if first.shape[-1] == width:
+        store.index_copy_(0, places, value.to(store.dtype))
+        pairs = torch.where(code.squeeze(-1) == KEEP_BOTH, places + 1, 0)  # the rest to row 0
+        store.index_copy_(0, pairs, second.to(store.dtype))
+        return
+    # Wider or narrower than the store: each row over ``k`` rows of it, read flat.
+    # On CUDA (no host sync: graphs) rows nobody keeps write row 0 only, never
+    # read, so no region is touched; elsewhere only the kept rows are written.
+    k = chunks(first.shape[-1], width)
+    flat, code = store.view(-1), code.squeeze(-1)
+    columns = torch.arange(first.shape[-1], device=first.device)
+    for part, shift, kept in ((value, 0, code != 0), (second, k, code == KEEP_BOTH)):
+        if not first.is_cuda:
+            rows_kept = kept.nonzero().squeeze(-1)
+            if rows_kept.numel():
+                at = (places[rows_kept] + shift).unsqueeze(-1) * width + columns
+                flat.index_put_((at.reshape(-1),), part[rows_kept].to(store.dtype).reshape(-1))
+            continue
+        at = (places + shift).unsqueeze(-1) * width + columns
+        at = torch.where(kept.unsqueeze(-1), at, columns % width)
+        flat.index_put_((at.reshape(-1),), part.to(store.dtype).reshape(-1))
 
 
 @keep.register_fake
@@ -369,7 +400,6 @@ def _tapped(
     kernel = _kernel() if hidden.is_cuda else None
     fits = (
         hidden.dim() == 2
-        and hidden.shape[-1] == bank.shape[-1]
         and hidden.shape[0] <= table.shape[0]
         and second.shape == hidden.shape
         and hidden.is_contiguous()
@@ -405,9 +435,11 @@ def launch(
     rows, width = hidden.shape
     if rows:
         block = min(1024, 1 << (width - 1).bit_length())
+        bank_width, store_width = bank.shape[-1], store.shape[-1]
         kernel[(rows,)](
-            hidden, second, out, table, bank, how, store, site, table.shape[2], width, block, keeps, pair
-        )
+            hidden, second, out, table, bank, how, store, site, table.shape[2],
+            width, bank_width, store_width, chunks(width, store_width), block, keeps, pair,
+        )  # fmt: skip
     return out
 
 
@@ -448,8 +480,10 @@ if triton is not None:
     @triton.jit
     def _tap_rows(
         hidden, second, out, table, bank, how, store, site, sites,
-        H: tl.constexpr, BLOCK: tl.constexpr, KEEPS: tl.constexpr, PAIR: tl.constexpr,
+        H: tl.constexpr, BH: tl.constexpr, SH: tl.constexpr, K: tl.constexpr,
+        BLOCK: tl.constexpr, KEEPS: tl.constexpr, PAIR: tl.constexpr,
     ):  # fmt: skip
+        # H: the value's width; BH: the bank's; SH: the store's, whose K rows hold a kept row
         row = tl.program_id(0).to(tl.int64)
         at = table + row * 3 * sites + site
         slot = tl.load(at)
@@ -457,6 +491,8 @@ if triton is not None:
         dest = tl.load(at + 2 * sites).to(tl.int64)
         entry = tl.maximum(slot, 0).to(tl.int64)
         mode = tl.where(slot >= 0, tl.load(how + entry * 4).to(tl.int32), -1)
+        if H != BH:  # another width than the bank's: only the edits that read no bank row
+            mode = tl.where((mode == 3) | (mode == 4), mode, -1)
         dtype = hidden.dtype.element_ty
         delta = 0.0
         projects = (mode == 1) | (mode == 2)
@@ -466,7 +502,7 @@ if triton is not None:
                 offs = start + tl.arange(0, BLOCK)
                 mask = offs < H
                 h = tl.load(hidden + row * H + offs, mask=mask, other=0.0)
-                u = tl.load(bank + entry * H + offs, mask=mask, other=0.0).to(dtype)
+                u = tl.load(bank + entry * BH + offs, mask=mask, other=0.0).to(dtype)
                 s = h
                 if mode == 2:  # the stream: the row plus the second value's, rounded
                     r = tl.load(second + row * H + offs, mask=mask, other=0.0)
@@ -482,22 +518,22 @@ if triton is not None:
             mask = offs < H
             h = tl.load(hidden + row * H + offs, mask=mask)
             if mode == 0:  # hidden.float() + bank[slot], rounded once
-                added = h.to(tl.float32) + tl.load(bank + entry * H + offs, mask=mask)
+                added = h.to(tl.float32) + tl.load(bank + entry * BH + offs, mask=mask)
                 h = added.to(h.dtype)
             elif projects:  # hidden - round(delta * u), rounded
-                u = tl.load(bank + entry * H + offs, mask=mask).to(dtype).to(tl.float32)
+                u = tl.load(bank + entry * BH + offs, mask=mask).to(dtype).to(tl.float32)
                 push = (delta * u).to(dtype).to(tl.float32)
                 h = (h.to(tl.float32) - push).to(h.dtype)
             elif mode == 5:  # patched: the row set to bank[how[slot, 1]], unless -1
                 first = tl.load(how + entry * 4 + 1).to(tl.int64)
                 if first >= 0:
-                    h = tl.load(bank + first * H + offs, mask=mask).to(h.dtype)
+                    h = tl.load(bank + first * BH + offs, mask=mask).to(h.dtype)
             elif mode == 6:  # patched on columns [low, high) from bank[how[slot, 1]]
                 first = tl.load(how + entry * 4 + 1).to(tl.int64)
                 low = tl.load(how + entry * 4 + 2)
                 high = tl.load(how + entry * 4 + 3)
                 inside = (offs.to(tl.float32) >= low) & (offs.to(tl.float32) < high)
-                value = tl.load(bank + first * H + offs, mask=mask).to(h.dtype)
+                value = tl.load(bank + first * BH + offs, mask=mask).to(h.dtype)
                 h = tl.where(inside, value, h)
             elif mode > 2:  # scaled (3) or filled (4) on columns [low, high)
                 number = tl.load(how + entry * 4 + 1)
@@ -512,7 +548,7 @@ if triton is not None:
                 if mode == 5:  # and the residual's row set to bank[how[slot, 2]], unless -1
                     other = tl.load(how + entry * 4 + 2).to(tl.int64)
                     if other >= 0:
-                        value = tl.load(bank + other * H + offs, mask=mask).to(h.dtype)
+                        value = tl.load(bank + other * BH + offs, mask=mask).to(h.dtype)
                         tl.store(second + row * H + offs, value, mask=mask)
             if code != 0:  # 1 the output, 2 the second value, 3 their sum, 4 both
                 if KEEPS == 2:  # a tensor's tap: its second value is the edited one
@@ -522,6 +558,6 @@ if triton is not None:
                 kept = tl.where(code == 2, r, h)
                 summed = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
                 kept = tl.where(code == 3, summed, kept)
-                tl.store(store + dest * H + offs, kept, mask=mask)
+                tl.store(store + dest * SH + offs, kept, mask=mask)
                 if code == 4:
-                    tl.store(store + (dest + 1) * H + offs, r, mask=mask)
+                    tl.store(store + (dest + K) * SH + offs, r, mask=mask)

@@ -175,7 +175,8 @@ class Lowering:
             self.paths.python(request.id, why.kind, why.reason)
             return False
         lowered = Lowered(sites[0], 0, None, None, code=KEEP_BOTH, replay=True)
-        room = most * lowered.stride  # a whole recompute's rows fit: its prompt and tokens
+        # a whole recompute's rows fit: its prompt and tokens, at its widest tap
+        room = most * max(tables.replay_stride(site) for site in sites)
         if room <= 0:
             self.paths.python(request.id, *UNSIZED)
             return False

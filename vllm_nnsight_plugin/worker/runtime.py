@@ -386,7 +386,8 @@ class WorkerRuntime:
         for request_id, count in step.spans:
             lowered = replays.get(request_id)
             if lowered is not None and count and _waiting(tracked.get(request_id)):
-                if 2 * count > lowered.rows:  # cannot happen: its region holds its prompt and tokens
+                if count * max(self.tables.replay_stride(s) for s, _ in lowered.regions) > lowered.rows:
+                    # cannot happen: its region holds its prompt and tokens
                     logger.error("vllm-nnsight: request %s has more rows than its region", request_id)
                     offset += count
                     continue  # never served: its block ends with an error, not another's rows
@@ -414,10 +415,11 @@ class WorkerRuntime:
             location = f"{self.model.path}.{where}"
             if interleaver.counts.get(location, 0) != step.visits.get(location, 0):
                 continue  # the forward ran as Python and served it there
-            hidden = tables.store.new_zeros((rows, tables.store.shape[-1]))
+            width = tables.width(site)
+            hidden = tables.store.new_zeros((rows, width))
             residual = hidden.new_zeros(hidden.shape) if pair else None
             for start, count, base in at[site]:
-                first, second = step_rows(base, tables.store, count)
+                first, second = step_rows(base, tables.store, count, width)
                 hidden[start : start + count] = first
                 if residual is not None:
                     residual[start : start + count] = second
