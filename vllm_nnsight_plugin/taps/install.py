@@ -141,7 +141,7 @@ class TapTables:
         self.requests: dict[str, Lowered] = {}
         self._entry_of: dict[str, int] = {}
         #: a request steering several sites: its entries beyond the first
-        self._also_of: dict[str, tuple[int, ...]] = {}
+        self._also_of: dict[str, np.ndarray] = {}
         self._per_entry = (
             self._kind,
             self._site,
@@ -221,7 +221,7 @@ class TapTables:
         self._entry_of[request_id] = entry
         self._lowered[entry] = lowered
         if also:
-            more = self._also_of[request_id] = tuple(self.free.pop() for _ in also)
+            more = self._also_of[request_id] = np.array([self.free.pop() for _ in also], dtype=np.int64)
             for extra, site in zip(more, also):
                 for array in self._per_entry:
                     array[extra] = array[entry]
@@ -367,13 +367,13 @@ class TapTables:
         if not rows.size:
             return 0
         entries = found[rows]
-        if self._also_of:  # requests steering several sites: one more (row, entry) per site
+        if self._also_of:  # requests at several sites: one more (row, entry) per site
             also = self._also_of.get
-            pairs = [(row, extra) for row in rows.tolist() for extra in also(req_ids[row], ())]
-            if pairs:
-                extra_rows, extra_entries = np.array(pairs, dtype=np.int64).T
+            found_also = [(row, more) for row in rows.tolist() if (more := also(req_ids[row])) is not None]
+            if found_also:  # one array operation per request, not one per site
+                extra_rows = np.repeat([row for row, _ in found_also], [len(more) for _, more in found_also])
                 rows = np.concatenate([rows, extra_rows])
-                entries = np.concatenate([entries, extra_entries])
+                entries = np.concatenate([entries, *(more for _, more in found_also)])
         steps = self._steps[entries]
         self._steps[entries] = steps + 1
         counts = bounds[rows + 1] - bounds[rows]

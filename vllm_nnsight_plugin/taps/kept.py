@@ -21,6 +21,8 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ..returns.cached import CachedSteps
 from ..returns.stacked import Stacked
 from .ops import KEEP_BOTH
@@ -150,21 +152,23 @@ def layers_saves(lowered: Lowered, store: Any, steps: int, done: int, first: int
     if sum(lengths) != done:  # cannot happen while the fill keeps its books
         raise RuntimeError(f"kept {done} rows, counted {sum(lengths)}")
     bases = [base for _, base in lowered.regions]
-    offsets = [0]
-    for length in lengths[:-1]:
-        offsets.append(offsets[-1] + length)
-    index = [
-        row
-        for offset, length in zip(offsets, lengths)
-        for base in bases
-        for row in range(base + offset, base + offset + length)
-    ]
-    data = store.index_select(0, torch.tensor(index, dtype=torch.long, device=store.device))
+    index = _layers_index(np.array(bases, dtype=np.int64), np.array(lengths, dtype=np.int64))
+    data = store.index_select(0, torch.from_numpy(index).to(store.device))
     if picks_a_row(lowered):  # each element is one row: [width]
         found = Stacked(data, None) if len(index) >= 2 else list(data.unbind(0))
         return {lowered.name: found}
     each = tuple(length for length in lengths for _ in bases)
     return {lowered.name: Stacked(data, each) if len(each) >= 2 else list(Stacked(data, each).unstack())}
+
+
+def _layers_index(bases: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The store's rows in the order the block's list holds them: each step's rows
+    at every region (``bases``) before the next step's."""
+    offsets = np.cumsum(lengths) - lengths
+    starts = (bases[None, :] + offsets[:, None]).reshape(-1)  # step by step, region by region
+    counts = np.repeat(lengths, len(bases))
+    within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    return np.repeat(starts, counts) + within
 
 
 class Regions:
