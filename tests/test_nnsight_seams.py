@@ -199,6 +199,7 @@ def test_a_captured_view_of_a_larger_tensor_travels_as_a_copy_of_its_own():
         {"column": column},  # strided
         {"row": torch.randn(64, 576, requires_grad=True)[5]},
         {"small": torch.randn(4, 8)[1]},  # its storage is no larger by much
+        {"row": row, "sparse": torch.eye(3).to_sparse()},  # storage it does not read
     ):
         assert all(a is b for a, b in zip(client_nns.compacted(kept)[0].values(), kept.values()))
     _saves().add(id(row))

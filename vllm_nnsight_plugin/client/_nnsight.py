@@ -115,9 +115,18 @@ def compacted(*scopes: dict) -> tuple[dict, ...]:
     each copied. A captured value of a kind this cannot see into leaves every
     tensor as it is.
     """
+    try:
+        return _compacted(scopes)
+    except Exception:  # noqa: BLE001 - an optimisation: any doubt sends the block as it is
+        return scopes
+
+
+def _compacted(scopes: tuple[dict, ...]) -> tuple[dict, ...]:
     found: list[torch.Tensor] = []
     if not all(_reach(value, found, 0) for scope in scopes for value in scope.values()):
         return scopes
+    if any(t.layout is not torch.strided or t.is_quantized for t in found):
+        return scopes  # storage this does not read
     if not any(_worth_copying(t) for t in found):
         return scopes
     extents: dict[tuple[str, int], list[tuple[int, int]]] = {}
@@ -154,7 +163,7 @@ def _copy_of(value: torch.Tensor, copies: dict | None) -> torch.Tensor:
 
 
 def _worth_copying(value: torch.Tensor) -> bool:
-    if value.layout is not torch.strided or value.requires_grad or value.is_quantized or not value.is_contiguous():
+    if value.requires_grad or not value.is_contiguous() or value.device.type == "meta":
         return False
     size = value.untyped_storage().nbytes()
     used = value.numel() * value.element_size()
