@@ -27,8 +27,11 @@ class Tables:
     hidden = 8
     device = torch.device("cpu")
 
-    def means(self, site, whole):
+    def means(self, site, whole, any_width=False):
         return not whole
+
+    def width(self, site):
+        return self.hidden
 
 
 def why(source: str, **scope) -> Unlowered | LoweredBlock:
