@@ -198,14 +198,12 @@ _BY_REFERENCE = (type, types.ModuleType, types.BuiltinFunctionType, torch.dtype,
 def _reach(value: Any, found: list, depth: int) -> bool:
     """Collect the tensors ``value`` holds (every reference counts); False where it
     may hold tensors this cannot see."""
-    kind = type(value)
-    if kind in _PLAIN or isinstance(value, _BY_REFERENCE) or isinstance(value, Tracer):
-        return True
     if isinstance(value, torch.Tensor):
         found.append(value)
         return True
-    if "_persistent_id" in getattr(value, "__dict__", {}):
-        return True  # pickled as a reference (the model's envoys)
+    if _pure(value) or isinstance(value, _BY_REFERENCE):
+        return True
+    kind = type(value)
     if kind in (list, tuple, set, frozenset) and depth < _DEPTH and len(value) <= _ITEMS:
         return all(_reach(item, found, depth + 1) for item in value)
     if kind is dict and depth < _DEPTH and len(value) <= _ITEMS:

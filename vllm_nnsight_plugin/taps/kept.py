@@ -63,6 +63,8 @@ class Lowered:
     replay: bool = False
     #: a keep over several taps: (site, base of its region) for each, in model order
     regions: tuple[tuple[int, int], ...] = ()
+    #: served at the sampler: rows of the store a token row takes at its widest tap
+    widest: int = 2
     entry: int = -1  # its row in the tables' per-request arrays
     slot: int = -1  # steering: its vector's row of the bank
     slot2: int = -1  # patching the residual too: the row of the bank its value is in

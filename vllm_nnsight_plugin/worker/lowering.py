@@ -176,7 +176,8 @@ class Lowering:
             return False
         lowered = Lowered(sites[0], 0, None, None, code=KEEP_BOTH, replay=True)
         # a whole recompute's rows fit: its prompt and tokens, at its widest tap
-        room = most * max(tables.replay_stride(site) for site in sites)
+        lowered.widest = max(tables.replay_stride(site) for site in sites)
+        room = most * lowered.widest
         if room <= 0:
             self.paths.python(request.id, *UNSIZED)
             return False

@@ -386,7 +386,7 @@ class WorkerRuntime:
         for request_id, count in step.spans:
             lowered = replays.get(request_id)
             if lowered is not None and count and _waiting(tracked.get(request_id)):
-                if count * max(self.tables.replay_stride(s) for s, _ in lowered.regions) > lowered.rows:
+                if count * lowered.widest > lowered.rows:
                     # cannot happen: its region holds its prompt and tokens
                     logger.error("vllm-nnsight: request %s has more rows than its region", request_id)
                     offset += count
