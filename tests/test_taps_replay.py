@@ -187,16 +187,17 @@ def test_served_in_the_order_the_forward_reaches_them():
     class Tables:
         sites = ("model.embed_tokens", "model.layers.0", "model.layers.0.self_attn.source.attn_0",
                  "model.layers.0.mlp", "model.layers.1", "model.norm")  # fmt: skip
-        tuple_sites = frozenset({1, 4})
+        pair_sites = frozenset({1, 4})
+        first_sites = frozenset({5})
         handed = {"model.layers.0.self_attn.o_proj": 2}
 
     assert served([5, 4, 3, 2, 1, 0], Tables) == [
-        (0, "model.embed_tokens.output", False),
-        (2, "model.layers.0.self_attn.o_proj.input", False),
-        (3, "model.layers.0.mlp.output", False),
-        (1, "model.layers.0.output", True),
-        (4, "model.layers.1.output", True),
-        (5, "model.norm.output", False),
+        (0, "model.embed_tokens.output", "one"),
+        (2, "model.layers.0.self_attn.o_proj.input", "one"),
+        (3, "model.layers.0.mlp.output", "one"),
+        (1, "model.layers.0.output", "pair"),
+        (4, "model.layers.1.output", "pair"),
+        (5, "model.norm.output", "first"),
     ]
 
 

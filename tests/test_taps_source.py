@@ -219,7 +219,8 @@ def keep_python(model, steps=4):
 def test_an_operation_tap_steers_lowered_as_the_python_path_does(smollm2_llm, smol):
     from tests.test_taps import same_generation
 
-    assert stats(smollm2_llm)["taps"][:3] == ["model.layers.10", ATTENTION, "model.layers.12.mlp"]
+    taps = stats(smollm2_llm)["taps"]
+    assert taps[taps.index("model.layers.10") :][:3] == ["model.layers.10", ATTENTION, "model.layers.12.mlp"]
     torch.manual_seed(3)
     vector = torch.randn(576)
     before = stats(smollm2_llm)["lowered_by"]["steer"]

@@ -85,9 +85,13 @@ class TapTables:
         self.site_of = {path: i for i, path in enumerate(sites)}
         #: Sites whose module's forward returns a tuple, by its source: only there
         #: is ``output[0]`` the whole hidden state a lowered block means.
-        self.tuple_sites = frozenset(range(len(sites))) if tuple_sites is None else tuple_sites
+        self.returned_tuples = frozenset(range(len(sites))) if tuple_sites is None else tuple_sites
         #: the tuple sites whose value is always exactly (hidden, residual) (set at install)
-        self.pair_sites = self.tuple_sites
+        self.returned_pairs = self.returned_tuples
+        #: Sites whose every call in their parent's forward is unpacked into two
+        #: names (``source.unpacked_in_two``; set at install): a sequence of two
+        #: values, a pair or (value, None) by what the tap has seen (``ops.passed``).
+        self.two_sites: frozenset[int] = frozenset()
         #: a child module's path -> the operation site whose value its parent's forward
         #: hands it as its one input (``source.handed_to``; set at install)
         self.handed: dict[str, int] = {}
@@ -232,13 +236,36 @@ class TapTables:
                 self._lowered[extra] = lowered
         return True
 
+    def _two(self, passed: int) -> frozenset[int]:
+        return frozenset(s for s in self.two_sites if ops.passed(self.codes, s) == passed)
+
+    @property
+    def tuple_sites(self) -> frozenset[int]:
+        """Sites whose value is a tuple led by the hidden state: by their source, or
+        two values by their parent's calls that the tap has seen."""
+        if not self.two_sites:
+            return self.returned_tuples
+        return self.returned_tuples | self._two(ops.PAIR) | self._two(ops.FIRST)
+
+    @property
+    def pair_sites(self) -> frozenset[int]:
+        """The tuple sites whose value is exactly (hidden, residual)."""
+        return self.returned_pairs | self._two(ops.PAIR) if self.two_sites else self.returned_pairs
+
+    @property
+    def first_sites(self) -> frozenset[int]:
+        """Sites whose value is (value, None), as their parent's calls and the tap tell."""
+        return self._two(ops.FIRST) if self.two_sites else frozenset()
+
     def served_whole(self, site: int) -> bool:
         """Whether the rows a tap keeps are its whole value, as a block reads it: a
         (hidden, residual) pair, or one tensor of any width (a module's output, an
         MLP's neurons, or an operation's value that a child is handed)."""
-        return site in self.pair_sites or (
-            site not in self.tuple_sites and self.means(site, whole=True, any_width=True)
-        )
+        if site in self.pair_sites:
+            return True
+        if site in self.first_sites:  # (value, None): its value is kept as one tensor
+            return self._fits(site, any_width=True)
+        return site not in self.tuple_sites and self.means(site, whole=True, any_width=True)
 
     def width(self, site: int) -> int:
         """The width of the tap's value, once it has run (the hidden size until then)."""
@@ -272,9 +299,17 @@ class TapTables:
         value = ops.seen(self.slots, site)
         if value is None:
             return not whole
-        shape, dtype = value
-        if ops.passed(self.codes, site) != (2 if whole else 1):
+        if ops.passed(self.codes, site) != (ops.ONE if whole else ops.PAIR):
             return False
+        return self._fits(site, any_width)
+
+    def _fits(self, site: int, any_width: bool) -> bool:
+        """Whether the value the tap last had is one row per token, as wide as the
+        bank (or ``any_width``), in the store's dtype."""
+        value = ops.seen(self.slots, site)
+        if value is None:
+            return False
+        shape, dtype = value
         return len(shape) == 2 and (any_width or shape[1] == self.hidden) and dtype == self.store.dtype
 
     def forget(self, request_id: str) -> tuple[Lowered, int] | None:
@@ -469,8 +504,11 @@ def install(runner: Any, model: Any) -> TapTables | None:
         one_op=kernel_chosen(runner.vllm_config),
         bank_rows=2 * max_seqs + 16,
     )
-    tables.pair_sites = frozenset(
+    tables.returned_pairs = frozenset(
         i for i in tuples if returns_tuple(type(model.get_submodule(sites[i])), exactly=2)
+    )
+    tables.two_sites = frozenset(
+        i for i, site in enumerate(sites) if i not in tuples and _unpacked_in_two(model, site)
     )
     for i, site in enumerate(sites):  # ``<child>.input`` where an operation's value is handed to it
         path, operation = split_site(site)
@@ -485,6 +523,15 @@ def install(runner: Any, model: Any) -> TapTables | None:
         _tap(model.get_submodule(path), sites_of, tables)
     logger.info("vllm-nnsight: taps on %d site(s): %s", len(sites), ", ".join(sites))
     return tables
+
+
+def _unpacked_in_two(model: Any, site: str) -> bool:
+    """Whether a module's parent calls it only to unpack its value into two names."""
+    path, operation = split_site(site)
+    if operation is not None or "." not in path:
+        return False
+    parent, child = path.rsplit(".", 1)
+    return source.unpacked_in_two(type(model.get_submodule(parent)), child)
 
 
 def _decoder_layers(model: Any) -> tuple[str, ...]:
@@ -568,6 +615,8 @@ def _apply(tables: TapTables, site: int, out: Any) -> Any:
     """The tap operations on a value: a tensor, or a tuple led by the hidden state
     (whose second value, where it is a tensor, is kept beside it)."""
     paired = isinstance(out, tuple) and len(out) >= 2 and isinstance(out[1], torch.Tensor)
+    # (value, None): a linear layer's output without its bias, kept as one tensor
+    first = isinstance(out, tuple) and len(out) == 2 and out[1] is None
     if tables.one_op:
         tap, table, bank, how, store = (
             torch.ops.vllm_nnsight.tap,
@@ -579,13 +628,18 @@ def _apply(tables: TapTables, site: int, out: Any) -> Any:
         if paired:  # the residual is patched in place (``out[1]`` is the same tensor after)
             return (torch.ops.vllm_nnsight.tap_pair(out[0], out[1], table, bank, how, store, site), *out[1:])
         if isinstance(out, tuple):
-            return (tap(out[0], out[0], table, bank, how, store, site, 0), *out[1:])
-        return tap(out, out, table, bank, how, store, site, 2)
+            keeps = ops.FIRST if first else 0
+            return (tap(out[0], out[0], table, bank, how, store, site, keeps), *out[1:])
+        return tap(out, out, table, bank, how, store, site, ops.ONE)
     steer, keep = torch.ops.vllm_nnsight.steer, torch.ops.vllm_nnsight.keep
     if paired:
         hidden = torch.ops.vllm_nnsight.steer_pair(out[0], out[1], tables.slots, tables.bank, tables.how, site)
         keep(hidden, out[1], tables.codes, tables.dest, tables.store, site)
         return (hidden, *out[1:])
+    if first:
+        hidden = steer(out[0], out[0], tables.slots, tables.bank, tables.how, site)
+        keep(hidden, hidden, tables.codes, tables.dest, tables.store, site, ops.FIRST)
+        return (hidden, None)
     if isinstance(out, tuple):
         return (steer(out[0], out[0], tables.slots, tables.bank, tables.how, site), *out[1:])
     hidden = steer(out, out, tables.slots, tables.bank, tables.how, site)

@@ -44,7 +44,9 @@ A tap runs both as one operation, ``torch.ops.vllm_nnsight.tap(hidden, second,
 table, bank, how, store, site, keeps)`` (``table`` is the ``[row, part, site]``
 tensor the three tables are views of; ``keeps`` 0: steer only, 1: keep with
 ``second``, 2: keep with the steered value as the second, a tap whose value is
-one tensor). On CUDA it can be one Triton kernel a
+one tensor, 3: the same for the first of a pair whose second is ``None``, a
+linear layer's ``(output, bias)``; ``keep``'s ``passed`` notes that one the
+same way). On CUDA it can be one Triton kernel a
 tap, one program a row, where a row nobody steers or keeps costs one copy: as
 two ops of plain tensor operations a tap costs about 15 small kernels, which
 with every decoder layer tapped took 13-18% of an idle graphed step
@@ -104,12 +106,16 @@ def seen(slots: torch.Tensor, site: int) -> tuple[tuple[int, ...], torch.dtype] 
 
 #: How each site's value last came through a tap, keyed by the codes table's
 #: address: 1 a pair (the hidden state and a second tensor beside it), 2 one
-#: tensor; absent, neither (a tuple with no second tensor: nothing is kept there).
+#: tensor, 3 the first of a pair whose second is ``None`` (kept as one tensor);
+#: 0 or absent, neither (a tuple with no second tensor: nothing is kept there).
 _PASSED: dict[tuple[int, int], int] = {}
+#: ``keeps`` of a tap (and what ``passed`` answers): a pair, one tensor, the first of (value, None).
+PAIR, ONE, FIRST = 1, 2, 3
 
 
 def passed(codes: torch.Tensor, site: int) -> int:
-    """1 where the tap at ``site`` last ran on a pair, 2 on one tensor, 0 otherwise."""
+    """1 where the tap at ``site`` last ran on a pair, 2 on one tensor, 3 on the
+    first of (value, None), 0 otherwise."""
     return _PASSED.get((codes.data_ptr(), site), 0)
 
 
@@ -309,8 +315,9 @@ def keep(
     dest: torch.Tensor,
     store: torch.Tensor,
     site: int,
+    passed: int = 0,
 ) -> None:
-    _PASSED[codes.data_ptr(), site] = 2 if first.data_ptr() == second.data_ptr() else 1
+    _PASSED[codes.data_ptr(), site] = passed or (2 if first.data_ptr() == second.data_ptr() else 1)
     rows = first.shape[0]
     if first.dim() != 2 or rows > codes.shape[1] or second.shape != first.shape:
         return
@@ -350,6 +357,7 @@ def _(
     dest: torch.Tensor,
     store: torch.Tensor,
     site: int,
+    passed: int = 0,
 ) -> None:
     return None
 
@@ -397,6 +405,7 @@ def _tapped(
 ) -> torch.Tensor:
     slots, codes, dest = (table[:, part].t() for part in range(3))
     _PASSED[codes.data_ptr(), site] = keeps  # 0: a tuple without a second tensor
+    keeps = ONE if keeps == FIRST else keeps  # the first of (value, None) is kept as one tensor
     kernel = _kernel() if hidden.is_cuda else None
     fits = (
         hidden.dim() == 2

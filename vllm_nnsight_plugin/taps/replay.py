@@ -277,24 +277,30 @@ _LOCATIONS = frozenset({"input", "inputs", "source", "skip", "next", "all", "ite
 _READS = frozenset({"output", "input", "inputs", "source"})
 
 
-def served(sites: Any, tables: Any) -> list[tuple[int, str, bool]]:
+#: What a served value is: a (hidden, residual) pair, (value, None), one tensor.
+PAIR, FIRST, ONE = "pair", "first", "one"
+
+
+def served(sites: Any, tables: Any) -> list[tuple[int, str, str]]:
     """How the sampler hands a replayed block the taps it reads, in the order the
     forward reaches them: (site, the location's path relative to the model and its
-    end, whether the value is a (hidden, residual) pair). An operation's site is
+    end, what the value is: ``PAIR``, ``FIRST`` or ``ONE``). An operation's site is
     served as what its parent's forward hands a child (``<child>.input``, where
     ``replayable`` found it read); a module's, as its output."""
     children = {site: child for child, site in tables.handed.items()}
+    pairs, firsts = tables.pair_sites, tables.first_sites
     found = []
     for site in sites:
         path, operation = split_site(tables.sites[site])
         if operation is not None:
-            found.append((site, f"{children[site]}.input", False))
+            found.append((site, f"{children[site]}.input", ONE))
         else:
-            found.append((site, f"{path}.output", site in tables.tuple_sites))
+            kind = PAIR if site in pairs else FIRST if site in firsts else ONE
+            found.append((site, f"{path}.output", kind))
     return sorted(found, key=functools.cmp_to_key(_reached))
 
 
-def _reached(a: tuple[int, str, bool], b: tuple[int, str, bool]) -> int:
+def _reached(a: tuple[int, str, str], b: tuple[int, str, str]) -> int:
     """The forward's order of two locations: a module's input comes before anything
     of its children, its output after; otherwise the order of the modules (the
     tree's order, in which a forward calls them: ``spec.resolve``)."""

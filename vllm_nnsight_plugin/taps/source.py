@@ -260,3 +260,44 @@ def handed_to(cls: type, operation: str) -> str | None:
         ):
             return node.func.attr
     return None
+
+
+def unpacked_in_two(cls: type, child: str) -> bool:
+    """Whether ``cls.forward`` names ``self.<child>`` only to call it, each call's
+    value unpacked into exactly two names (``qkv, _ = self.qkv_proj(x)``,
+    ``hidden, _ = self.norm(hidden, residual)``): the child's output is then a
+    sequence of two values on every call the forward makes, which its own source
+    may not say (a norm returns one tensor or two by its arguments; a linear
+    layer its output alone or with its bias, by how it was built)."""
+    try:
+        definition = forward_definition(cls)
+    except SourceTapError:
+        return False
+    if not definition.args.args:
+        return False
+    receiver = definition.args.args[0].arg
+    parents = {id(c): n for n in ast.walk(definition) for c in ast.iter_child_nodes(n)}
+    calls = 0
+    for node in ast.walk(definition):
+        if not (
+            isinstance(node, ast.Attribute)
+            and node.attr == child
+            and isinstance(node.value, ast.Name)
+            and node.value.id == receiver
+        ):
+            continue
+        call = parents.get(id(node))
+        if not (isinstance(call, ast.Call) and call.func is node):
+            return False  # the child named other than by a call of it
+        assign = parents.get(id(call))
+        if not (
+            isinstance(assign, ast.Assign)
+            and assign.value is call
+            and len(assign.targets) == 1
+            and isinstance(assign.targets[0], ast.Tuple)
+            and len(assign.targets[0].elts) == 2
+            and all(isinstance(e, ast.Name) for e in assign.targets[0].elts)
+        ):
+            return False
+        calls += 1
+    return calls > 0

@@ -28,7 +28,7 @@ CONFIG_KEY = "nnsight_taps"
 VERSION_KEY = "nnsight_taps_plugin"
 #: The release of the tap operations (``ops.py``): a graph that calls an earlier
 #: release's operations is never reused.
-OPERATIONS = 3
+OPERATIONS = 4
 #: The same list for an engine the client did not build (``vllm serve``): JSON, or
 #: comma-separated patterns.
 ENV = "VLLM_NNSIGHT_TAPS"

@@ -408,16 +408,16 @@ class WorkerRuntime:
     def _serve(self, at: dict[int, list[tuple[int, int, int]]], rows: int, step: Step) -> None:
         """Hand the interleaver each tap's value: ``rows`` rows, the kept ones in place."""
         from ..taps.kept import step_rows
-        from ..taps.replay import served
+        from ..taps.replay import FIRST, PAIR, served
 
         tables, interleaver = self.tables, self.model.interleaver
-        for site, where, pair in served(at, tables):
+        for site, where, kind in served(at, tables):
             location = f"{self.model.path}.{where}"
             if interleaver.counts.get(location, 0) != step.visits.get(location, 0):
                 continue  # the forward ran as Python and served it there
             width = tables.width(site)
             hidden = tables.store.new_zeros((rows, width))
-            residual = hidden.new_zeros(hidden.shape) if pair else None
+            residual = hidden.new_zeros(hidden.shape) if kind == PAIR else None
             for start, count, base in at[site]:
                 first, second = step_rows(base, tables.store, count, width)
                 hidden[start : start + count] = first
@@ -425,6 +425,8 @@ class WorkerRuntime:
                     residual[start : start + count] = second
             if residual is not None:
                 interleaver.handle(location, (hidden, residual))
+            elif kind == FIRST:
+                interleaver.handle(location, (hidden, None))
             elif where.endswith(".input"):
                 interleaver.handle(location, ((hidden,), {}))
             else:
