@@ -215,7 +215,7 @@ def test_each_sequence_of_n_runs_its_own_copy(smol):
         assert completion.saves["drawn"] == list(completion.token_ids)
 
 
-def test_a_request_running_edits_is_not_lowered_and_its_block_lands_the_same(smol, smollm2_llm):
+def test_a_request_beside_an_edit_that_needs_no_forward_is_lowered_and_lands_the_same(smol, smollm2_llm):
     torch.manual_seed(1)
     vector = torch.randn(576)
     vector = (40.0 * vector / vector.norm()).to(DEVICE)
@@ -235,7 +235,11 @@ def test_a_request_running_edits_is_not_lowered_and_its_block_lands_the_same(smo
     with smol.edit() as (tracer, edit):
         seen = nnsight.save(True)  # noqa: F841
     assert steered() == want
-    assert stats(smollm2_llm)["lowered"] == lowered + 1  # ran as Python beside the edit
+    assert stats(smollm2_llm)["lowered"] == lowered + 2  # the edit reads no module: still lowered
+    with smol.edit() as (tracer, reading):
+        kept = smol.model.layers[3].output[0][-1].clone().save()  # noqa: F841
+    assert steered() == want
+    assert stats(smollm2_llm)["lowered"] == lowered + 2  # two blocks on the forward: Python
 
 
 def test_edit_arguments_are_checked(smol):

@@ -450,7 +450,7 @@ def test_a_keep_of_one_row_a_step_takes_room_for_its_window_only():
 
     def probe(request_id, stop, select):
         lowered = Lowered(0, 0, stop, None, code=KEEP_FIRST, name="rows", select=select)
-        request = SimpleNamespace(id=request_id, mediator=None)
+        request = SimpleNamespace(id=request_id, mediator=None, copies={})
         added = lowering._add(request, tables, LoweredBlock("a", lowered, None, (1,)), rows=100, most=228)
         return added, lowered
 

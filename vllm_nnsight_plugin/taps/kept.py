@@ -75,6 +75,9 @@ class Lowered:
     rows: int = 0
     #: steps whose row count was not the usual one (the prompt first, then one)
     irregular: dict[int, int] = field(default_factory=dict)
+    #: the installed edit whose copy this is (``model.edit()``), whose saves its
+    #: kept rows are; None: the request's own block
+    edit: str | None = None
 
     @property
     def stride(self) -> int:

@@ -57,11 +57,19 @@ class Lowering:
         self.replays: dict[str, Any] = {}
 
     def lower(
-        self, request: Any, tables: Any, model: Any, rows: int, most: int, digest: bytes | None = None
+        self,
+        request: Any,
+        tables: Any,
+        model: Any,
+        rows: int,
+        most: int,
+        digest: bytes | None = None,
+        split: bool = True,
     ) -> bool:
         """Put a request on the tap tables when its block is exactly a form they
         express; ``rows`` is how many token rows its first step has, ``most`` how
-        many it can have (0: unknown); ``digest`` names its block's bytes."""
+        many it can have (0: unknown); ``digest`` names its block's bytes;
+        ``split``: a block may leave statements to Python at the sampler."""
         from ..taps.lower import Unlowered, for_request, lower
         from ..taps.meaning import folded
         from . import _nnsight as nns
@@ -81,7 +89,7 @@ class Lowering:
         source = (folded(source, scope) or source) if source else source  # its ``if``s decided
         block = lower(source, scope, model, nns.InterleavingTracer, tables, seams.model_dtype(self.runner))
         if isinstance(block, Unlowered):
-            rest = self._split(request, tables, model, block, source)
+            rest = self._split(request, tables, model, block, source) if split else block
             if isinstance(rest, Unlowered):
                 return self._replay(request, tables, model, most, rest, digest, source=source)
             block, rest_mediator = rest
@@ -93,6 +101,23 @@ class Lowering:
             while len(self.known) > _KNOWN_LIMIT:
                 self.known.popitem(last=False)
         return self._add(request, tables, for_request(block), rows, most)
+
+    def lower_edit(self, request: Any, edit_id: str, tables: Any, model: Any, rows: int, most: int) -> bool:
+        """Put the request's copy of an installed edit on the tables, where it is the
+        one block of the request that needs the forward (its own runs at the
+        sampler): lowered whole, or served at the sampler. What it keeps comes back
+        as that edit's saves (:meth:`forget`)."""
+        copy = request.copies[edit_id]
+        alone = _EditCopy(request, copy)
+        if not self.lower(alone, tables, model, rows, most, split=False):
+            return False
+        lowered = tables.requests[request.id]
+        lowered.edit = edit_id
+        if alone.mediator is None:  # all of it on the tables: nothing of it runs as Python
+            del request.copies[edit_id]
+        if request.mediator is not None or request.copies:  # the rest runs at the sampler
+            self.mixed.add(request.id)
+        return True
 
     def lower_known(self, request: Any, tables: Any, digest: bytes, rows: int, most: int) -> bool:
         """:meth:`lower` for a block already lowered once, without loading it."""
@@ -193,7 +218,8 @@ class Lowering:
         return True
 
     def _may_lower(self, request: Any) -> bool:
-        if request.copies or request.index != 0 or request.engine_id != request.stem:
+        wanting = any(getattr(copy, "needs_forward", True) for copy in request.copies.values())
+        if wanting or request.index != 0 or request.engine_id != request.stem:
             self.paths.python(request.id, *SEQUENCES)  # registered copies, or an n > 1 sequence
             return False
         # Speculative decoding: a step's rows are then not the ones a block sees
@@ -228,7 +254,7 @@ class Lowering:
             self.paths.python(request.id, *why)
             return False
         request.mediator = rest  # None: nothing of it runs as Python
-        if rest is not None:
+        if rest is not None or request.copies:  # it, or an edit's copy, runs at the sampler
             self.mixed.add(request.id)
         self.count += 1
         form = block.form
@@ -263,15 +289,19 @@ class Lowering:
                     if request is None:
                         continue
                     if tables.overflowed(lowered):
-                        request.error = nns.capture_exception(_overflow(lowered, internal))
+                        _failed(request, lowered, nns.capture_exception(_overflow(lowered, internal)))
                         continue
                     try:
                         saves = tables.saves(lowered, steps)
                     except Exception as error:  # that request's failure, no other's
-                        request.error = nns.capture_exception(error)
+                        _failed(request, lowered, nns.capture_exception(error))
                         continue
                     loop_ended = lowered.stop is not None and steps >= lowered.stop
                     whole = lowered.single or lowered.cache is not None  # no loop to end
+                    if lowered.edit is not None:  # an installed edit's: collected as its saves
+                        if saves:  # (an edit is never served ``tracer.result``, as on the Python path)
+                            _harvested(request, lowered.edit)["saves"].update(saves)
+                        continue
                     if lowered.result is not None and (loop_ended or whole):
                         saves[lowered.result] = OUTPUT
                     if saves:
@@ -287,6 +317,27 @@ class Lowering:
             "lowered_unloaded": self.unloaded,
             **self.paths.stats(),
         }
+
+
+class _EditCopy:
+    """A request seen through one of its edits' copies: what lowering reads of a
+    request, with the copy as its block."""
+
+    def __init__(self, request: Any, copy: Any) -> None:
+        self.id, self.mediator, self.copies = request.id, copy, {}
+        self.index, self.engine_id, self.stem = request.index, request.engine_id, request.stem
+
+
+def _harvested(request: Any, edit_id: str) -> dict:
+    """An edit's shelf on its request (``Requests.harvest`` fills the same one)."""
+    return request.harvested.setdefault(edit_id, {"saves": {}, "error": None})
+
+
+def _failed(request: Any, lowered: Any, error: Any) -> None:
+    if lowered.edit is None:
+        request.error = error
+    else:
+        _harvested(request, lowered.edit)["error"] = error
 
 
 def _overflow(lowered: Any, request_id: str) -> Exception:

@@ -28,7 +28,7 @@ class Path:
 
 #: Reasons decided before a block is looked at.
 NO_TAPS = ("no_taps", "this engine declares no taps (the `nnsight_taps` setting)")
-EDITED = ("edits", "installed edits (`model.edit()`) run as Python on this request")
+EDITED = ("edits", "two or more of its blocks (its own, its installed edits: `model.edit()`) use the forward, so all run as Python")
 CHUNKED = ("chunked", "its prompt is split over several steps by chunked prefill")
 SEQUENCES = ("sequences", "it is one of several sequences (`n > 1`) or a copy of a registered block")
 SPECULATIVE = ("speculative", "this engine decodes speculatively")

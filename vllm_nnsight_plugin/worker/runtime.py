@@ -185,11 +185,11 @@ class WorkerRuntime:
                 continue
             # A lowered block counts one step per forward; a prompt split by
             # chunked prefill (the Python path refuses it, with its reason) is
-            # never lowered, nor is a request whose edits run as Python anyway.
-            if tables is None or edited or not seams.whole_prompt_scheduled(data, scheduler_output):
+            # never lowered.
+            if tables is None or not seams.whole_prompt_scheduled(data, scheduler_output):
                 admit(requests, self.index, data, self.persistent, self.limits, self.model)
                 if data.req_id in requests.requests:
-                    why = NO_TAPS if tables is None else EDITED if edited else CHUNKED
+                    why = NO_TAPS if tables is None else CHUNKED
                     mediator = requests.requests[data.req_id].mediator
                     if why is NO_TAPS and not getattr(mediator, "needs_forward", True):
                         why = AT_SAMPLER  # taps or none, it runs at the sampler
@@ -198,6 +198,12 @@ class WorkerRuntime:
             rows = seams.scheduled_rows(data, scheduler_output)
             limit = getattr(data.sampling_params, "max_tokens", None)
             most = rows + int(limit) if limit else 0  # 0: unknown, never kept lowered
+            if edited:
+                admit(requests, self.index, data, self.persistent, self.limits, self.model)
+                request = requests.requests.get(data.req_id)
+                if request is not None and request.mediator is not None:
+                    self._lower_edited(request, tables, rows, most)
+                continue
 
             def known(request: Any, digest: bytes, rows: int = rows, most: int = most) -> bool:
                 return self._lower(self.lowering.lower_known, request, tables, digest, rows, most)
@@ -209,6 +215,20 @@ class WorkerRuntime:
         for data in seams.new_requests(scheduler_output):
             if data.req_id in requests.requests and data.req_id not in self.stops.tokens:
                 self.stops.admit(data.req_id, data.sampling_params)
+
+    def _lower_edited(self, request: Any, tables: Any, rows: int, most: int) -> None:
+        """A traced request with installed edits: where one of its blocks (its own,
+        or its copy of an edit) needs the forward and the others only the sampler,
+        that one is lowered; with two or more needing it, all run as Python."""
+        wanting = [c for c in request.copies if getattr(request.copies[c], "needs_forward", True)]
+        if getattr(request.mediator, "needs_forward", True):
+            wanting.append(None)
+        if len(wanting) > 1:
+            self.lowering.paths.python(request.id, *EDITED)
+        elif wanting == [None] or not wanting:  # its own block (or only the sampler): as any
+            self._lower(self.lowering.lower, request, tables, self.model, rows, most)
+        else:
+            self._lower(self.lowering.lower_edit, request, wanting[0], tables, self.model, rows, most)
 
     def _lower(self, how: Any, request: Any, *args: Any) -> bool:
         """Lowering is an optimisation: where it fails, the block runs as Python."""
@@ -385,7 +405,7 @@ class WorkerRuntime:
         offset = 0
         for request_id, count in step.spans:
             lowered = replays.get(request_id)
-            if lowered is not None and count and _waiting(tracked.get(request_id)):
+            if lowered is not None and count and _waiting(tracked.get(request_id), lowered.edit):
                 if count * lowered.widest > lowered.rows:
                     # cannot happen: its region holds its prompt and tokens
                     logger.error("vllm-nnsight: request %s has more rows than its region", request_id)
@@ -592,7 +612,10 @@ class WorkerRuntime:
         }
 
 
-def _waiting(request: Any) -> bool:
-    """Whether a request's block may still read a location (not finished, not failed)."""
-    mediator = None if request is None or request.error is not None else request.mediator
+def _waiting(request: Any, edit: str | None = None) -> bool:
+    """Whether a request's block (or its copy of ``edit``) may still read a location
+    (not finished, not failed)."""
+    if request is None or request.error is not None:
+        return False
+    mediator = request.mediator if edit is None else request.copies.get(edit)
     return mediator is not None and (mediator.worker is None or bool(mediator.alive))
