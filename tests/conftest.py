@@ -58,12 +58,16 @@ SESSION_TAPS = [
     "model.layers.12.mlp.act_fn.output",  # 1536 neurons: wider than the hidden state
     "model.layers.4.self_attn.qkv_proj.output",  # (qkv, None): a linear layer without its bias
     "model.norm.output",  # (hidden, residual): the final norm, handed the residual
+    "model.layers.10.self_attn.attn.inputs",  # the query, key and value attention is handed
 ]
 #: The sites those patterns resolve to, in model order.
 SESSION_SITES = [
     "model.layers.4.self_attn.qkv_proj",
     "model.layers.10",
     "model.layers.10.self_attn.source.self_attn_0",
+    "model.layers.10.self_attn.attn.inputs.0",
+    "model.layers.10.self_attn.attn.inputs.1",
+    "model.layers.10.self_attn.attn.inputs.2",
     "model.layers.12.mlp",
     "model.layers.12.mlp.act_fn",
     "model.layers.20",

@@ -173,3 +173,15 @@ def test_a_helper_that_only_computes_reads(helper):
 def test_a_helper_that_may_write_or_reach_the_model_is_taken_to_write(helper):
     assert not reads_only(helper, [10_000])
     assert may_write("helper(model.x.output[0])", {**SCOPE, "helper": helper}, MODEL, Tracer)
+
+
+def test_a_module_of_the_model_the_block_captured_reads_as_the_model_does():
+    from nnsight.intervention.envoy import Envoy
+
+    scope = {**SCOPE, "attention": Envoy(torch.nn.Linear(2, 2))}
+    assert not may_write("z = attention.o_proj.input.clone().save()", scope, MODEL, Tracer)
+    assert not may_write("n = attention.output.norm().item().save()", scope, MODEL, Tracer)
+    assert may_write("attention.o_proj.output[0][:] = 0", scope, MODEL, Tracer)
+    assert may_write("attention.output.add_(1)", scope, MODEL, Tracer)
+    assert may_write("attention.logits[:, 1] = 0", scope, MODEL, Tracer)  # the sampler's are the model's
+    assert may_write("z = other.output.clone()", {**scope, "other": torch.nn.Linear(2, 2)}, MODEL, Tracer)

@@ -242,10 +242,11 @@ class VLLM(Edits, _NNsightVLLM):
 
         self._taps, kernel = taps_for(kwargs.get("additional_config"), cuda_with_triton)
         if self._taps:  # refused here, with what exists, before an engine starts
-            from ..taps.source import operations_in
+            from ..taps.source import handed_in, operations_in
             from ..taps.spec import resolve
 
-            resolve(self._taps, (name for name, _ in meta_model.named_modules()), operations_in(meta_model))
+            names = (name for name, _ in meta_model.named_modules())
+            resolve(self._taps, names, operations_in(meta_model), handed_in(meta_model))
         # An engine with taps is built for its graphs, where its taps are one kernel
         # each (CUDA) or were asked for here. Otherwise eager skips the compile at
         # start-up, and a traced step runs as Python on any engine: pass

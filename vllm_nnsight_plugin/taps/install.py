@@ -34,7 +34,7 @@ import torch
 
 from . import ops, source
 from .kept import Lowered, Regions, kept_saves, layers_saves, picks_a_row, rows_kept, store_rows
-from .spec import LAYER_LISTS, LAYERS, engine_taps, kernel_chosen, resolve, split_site
+from .spec import LAYER_LISTS, LAYERS, engine_taps, input_site, kernel_chosen, resolve, split_site
 
 logger = logging.getLogger("vllm_nnsight_plugin")
 
@@ -92,6 +92,12 @@ class TapTables:
         #: names (``source.unpacked_in_two``; set at install): a sequence of two
         #: values, a pair or (value, None) by what the tap has seen (``ops.passed``).
         self.two_sites: frozenset[int] = frozenset()
+        #: a module's path -> the sites of the values its parent hands it, in order
+        #: (``<module>.inputs`` taps; set at install)
+        self.inputs: dict[str, tuple[int, ...]] = {}
+        #: a module's path -> where its parent's forward first calls it (line,
+        #: column), for modules whose inputs are served (set at install)
+        self.reached: dict[str, tuple[int, int]] = {}
         #: a child module's path -> the operation site whose value its parent's forward
         #: hands it as its one input (``source.handed_to``; set at install)
         self.handed: dict[str, int] = {}
@@ -484,15 +490,17 @@ def install(runner: Any, model: Any) -> TapTables | None:
     if patterns == (LAYERS,):
         sites = _decoder_layers(model)
     else:
-        sites = resolve(patterns, (name for name, _ in model.named_modules()), source.operations_in(model))
+        sites = resolve(
+            patterns,
+            (name for name, _ in model.named_modules()),
+            source.operations_in(model),
+            source.handed_in(model),
+        )
     if not sites:
         return None
     max_tokens, hidden, max_seqs, device = seams.tap_table_sizes(runner)
-    tuples = frozenset(
-        i
-        for i, site in enumerate(sites)
-        if split_site(site)[1] is None and returns_tuple(type(model.get_submodule(site)))
-    )
+    outputs = [i for i, site in enumerate(sites) if input_site(site) is None and split_site(site)[1] is None]
+    tuples = frozenset(i for i in outputs if returns_tuple(type(model.get_submodule(sites[i]))))
     tables = TapTables(
         sites,
         max_tokens,
@@ -507,22 +515,39 @@ def install(runner: Any, model: Any) -> TapTables | None:
     tables.returned_pairs = frozenset(
         i for i in tuples if returns_tuple(type(model.get_submodule(sites[i])), exactly=2)
     )
-    tables.two_sites = frozenset(
-        i for i, site in enumerate(sites) if i not in tuples and _unpacked_in_two(model, site)
-    )
-    for i, site in enumerate(sites):  # ``<child>.input`` where an operation's value is handed to it
+    tables.two_sites = frozenset(i for i in outputs if i not in tuples and _unpacked_in_two(model, sites[i]))
+    by_module: dict[str, dict[str | None, int]] = {}
+    handed_to: dict[str, list[int]] = {}
+    for i, site in enumerate(sites):
+        found = input_site(site)
+        if found is not None:  # a value the module is handed: its input taps, in order
+            handed_to.setdefault(found[0], []).append(i)
+            continue
         path, operation = split_site(site)
+        by_module.setdefault(path, {})[operation] = i
+        # ``<child>.input`` where an operation's value is handed to it
         child = None if operation is None else source.handed_to(type(model.get_submodule(path)), operation)
         if child is not None:
             tables.handed[f"{path}.{child}"] = i
-    by_module: dict[str, dict[str | None, int]] = {}
-    for site, name in enumerate(sites):
-        path, operation = split_site(name)
-        by_module.setdefault(path, {})[operation] = site
-    for path, sites_of in by_module.items():
-        _tap(model.get_submodule(path), sites_of, tables)
+    tables.inputs = {path: tuple(found) for path, found in handed_to.items()}
+    tables.reached = _first_calls(model, [*tables.handed, *tables.inputs, *(sites[i] for i in outputs)])
+    for path in {*by_module, *handed_to}:
+        _tap(model.get_submodule(path), by_module.get(path, {}), tables, tables.inputs.get(path, ()))
     logger.info("vllm-nnsight: taps on %d site(s): %s", len(sites), ", ".join(sites))
     return tables
+
+
+def _first_calls(model: Any, paths: list[str]) -> dict[str, tuple[int, int]]:
+    """Where each module's parent first calls it in its forward's source: siblings
+    are reached in the order of their calls, not the order the parent made them in
+    (``o_proj`` is made before ``attn`` and called after it)."""
+    found = {}
+    for path in paths:
+        parent, _, child = path.rpartition(".")
+        place = source.first_call(type(model.get_submodule(parent)), child) if parent else None
+        if place is not None:
+            found[path] = place
+    return found
 
 
 def _unpacked_in_two(model: Any, site: str) -> bool:
@@ -589,7 +614,7 @@ def returns_tuple(cls: type, exactly: int | None = None) -> bool:
     )
 
 
-def _tap(module: Any, sites: dict[str | None, int], tables: TapTables) -> None:
+def _tap(module: Any, sites: dict[str | None, int], tables: TapTables, inputs: tuple[int, ...] = ()) -> None:
     """Run the operations on the module's output (site key None) and on the named
     operations of its forward.
 
@@ -601,14 +626,16 @@ def _tap(module: Any, sites: dict[str | None, int], tables: TapTables) -> None:
     instance's ``forward``).
     """
     module.__dict__[_SITES] = dict(sites)
+    module.__dict__[_INPUT_SITES] = tuple(inputs)
     module.__dict__[_TABLES] = tables
     operations = frozenset(name for name in sites if name is not None)
-    module.__class__ = _tapped_class(type(module), operations, None in sites)
+    module.__class__ = _tapped_class(type(module), operations, None in sites, len(inputs))
 
 
 _SITES = "_vllm_nnsight_tap_sites"
+_INPUT_SITES = "_vllm_nnsight_tap_input_sites"
 _TABLES = "_vllm_nnsight_tap_tables"
-_TAPPED: dict[tuple[type, frozenset[str], bool], type] = {}
+_TAPPED: dict[tuple[type, frozenset[str], bool, int], type] = {}
 
 
 def _apply(tables: TapTables, site: int, out: Any) -> Any:
@@ -661,12 +688,25 @@ class _OperationTap:
         return value if site is None else _apply(module.__dict__[_TABLES], site, value)
 
 
-def _tapped_class(base: type, operations: frozenset[str], output: bool) -> type:
-    key = (base, operations, output)
+def _tapped_class(base: type, operations: frozenset[str], output: bool, inputs: int = 0) -> type:
+    key = (base, operations, output, inputs)
     found = _TAPPED.get(key)
     if found is not None:
         return found
     inner = source.rewritten_forward(base, operations, _OperationTap()) if operations else base.forward
+    if inputs:
+        # The values the parent hands it (``self.attn(q, k, v)``), each through its
+        # own tap before the forward sees them (only reads are served there).
+        handed = inner
+
+        def inner(self: Any, *args: Any, **kwargs: Any) -> Any:
+            tables, sites = self.__dict__[_TABLES], self.__dict__[_INPUT_SITES]
+            args = tuple(
+                _apply(tables, sites[i], arg) if i < len(sites) and isinstance(arg, torch.Tensor) else arg
+                for i, arg in enumerate(args)
+            )
+            return handed(self, *args, **kwargs)
+
     if not output:
         forward = inner
     else:

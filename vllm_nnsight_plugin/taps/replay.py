@@ -49,7 +49,7 @@ from typing import Any
 from .forms import Index, _module_path
 from .lower import Unlowered, _is_envoy, _site
 from .meaning import does_nothing
-from .spec import split_site
+from .spec import input_site, split_site
 
 #: Stands for the root of a location read on something that is not a name.
 _STRAY = "\x00"
@@ -232,7 +232,7 @@ def replayable(
         if head is model and len(path) >= 2 and path[1] in _AT_THE_SAMPLER:
             continue
         parts = [part for part in path[1:] if isinstance(part, str)]
-        entry = "output" not in parts and "input" in parts and not {"inputs", "source"} & set(parts)
+        entry = "output" not in parts and bool({"input", "inputs"} & set(parts)) and "source" not in parts
         if "output" not in parts and not entry:
             if _LOCATIONS.intersection(parts):
                 return Unlowered("form", "it reads a location other than a tap's output")
@@ -246,22 +246,23 @@ def replayable(
             if not _self_contained(module):
                 return Unlowered("form", "it calls a module that needs the forward (attention or experts)")
             continue
-        end = "input" if entry else "output"  # ``.input``: what a module is handed, where that is a tap's value
+        # ``.input``/``.inputs``: what a module is handed, where that is a tap's value
+        end = ("inputs" if "inputs" in parts else "input") if entry else "output"
         at = path.index(end, 1)
         module_path, where = _where(path[:at], scope, model)
         if module_path is not None and any(isinstance(p, Index) and p.name in bound for p in module_path):
             return Unlowered("form", "it names a layer by a name it binds itself")
-        site = None if where is None else _tap_of(tables, where, end)
-        if site is None:
+        found = () if where is None else _taps_of(tables, where, end)
+        if not found:
             shown = where if where is not None else ".".join(str(p) for p in path[:at])
             if entry:
                 return Unlowered(
-                    "not_a_tap", f"it reads `model.{shown}.input`, which is no tap's value on this engine"
+                    "not_a_tap", f"it reads `model.{shown}.{end}`, which is no tap's value on this engine"
                 )
             return Unlowered("not_a_tap", f"it reads `model.{shown}`, which is not a tap on this engine")
         if not entry and split_site(where)[1] is not None:
             return Unlowered("form", "it reads an operation's value other than as what a module is handed")
-        sites.add(site)
+        sites.update(found)
     if not sites:
         return Unlowered("form", "it reads no tap")
     hazard = _aliasing(source, scope, model)
@@ -277,33 +278,44 @@ _LOCATIONS = frozenset({"input", "inputs", "source", "skip", "next", "all", "ite
 _READS = frozenset({"output", "input", "inputs", "source"})
 
 
-#: What a served value is: a (hidden, residual) pair, (value, None), one tensor.
-PAIR, FIRST, ONE = "pair", "first", "one"
+#: What a served value is: a (hidden, residual) pair, (value, None), one tensor,
+#: or the values a module is handed (``<module>.inputs`` taps, served together).
+PAIR, FIRST, ONE, HANDED = "pair", "first", "one", "handed"
 
 
 def served(sites: Any, tables: Any) -> list[tuple[int, str, str]]:
     """How the sampler hands a replayed block the taps it reads, in the order the
     forward reaches them: (site, the location's path relative to the model and its
-    end, what the value is: ``PAIR``, ``FIRST`` or ``ONE``). An operation's site is
-    served as what its parent's forward hands a child (``<child>.input``, where
-    ``replayable`` found it read); a module's, as its output."""
+    end, what the value is: ``PAIR``, ``FIRST``, ``ONE`` or ``HANDED``). An
+    operation's site is served as what its parent's forward hands a child
+    (``<child>.input``, where ``replayable`` found it read); a module's input
+    taps, once, as its ``.input``, under the first of them; a module's output, as
+    its output."""
     children = {site: child for child, site in tables.handed.items()}
     pairs, firsts = tables.pair_sites, tables.first_sites
     found = []
     for site in sites:
+        handed = input_site(tables.sites[site])
+        if handed is not None:
+            if handed[1] == 0:
+                found.append((site, f"{handed[0]}.input", HANDED))
+            continue
         path, operation = split_site(tables.sites[site])
         if operation is not None:
             found.append((site, f"{children[site]}.input", ONE))
         else:
             kind = PAIR if site in pairs else FIRST if site in firsts else ONE
             found.append((site, f"{path}.output", kind))
-    return sorted(found, key=functools.cmp_to_key(_reached))
+    reached = getattr(tables, "reached", {})
+    return sorted(found, key=functools.cmp_to_key(lambda a, b: _reached(a, b, reached)))
 
 
-def _reached(a: tuple[int, str, str], b: tuple[int, str, str]) -> int:
+def _reached(a: tuple[int, str, str], b: tuple[int, str, str], calls: dict | None = None) -> int:
     """The forward's order of two locations: a module's input comes before anything
-    of its children, its output after; otherwise the order of the modules (the
-    tree's order, in which a forward calls them: ``spec.resolve``)."""
+    of its children, its output after; two modules' inputs that one parent's
+    forward hands them, the order of its calls (``calls``: where it first calls
+    each, ``TapTables.reached``); otherwise the order of the modules (the tree's
+    order, in which a forward calls them: ``spec.resolve``)."""
     (site_a, where_a, _), (site_b, where_b, _) = a, b
     path_a, _, end_a = where_a.rpartition(".")
     path_b, _, end_b = where_b.rpartition(".")
@@ -313,6 +325,9 @@ def _reached(a: tuple[int, str, str], b: tuple[int, str, str]) -> int:
         return -1 if end_a == "input" else 1
     if path_a.startswith(path_b + "."):
         return 1 if end_b == "input" else -1
+    calls = calls or {}
+    if path_a.rpartition(".")[0] == path_b.rpartition(".")[0] and path_a in calls and path_b in calls:
+        return -1 if calls[path_a] < calls[path_b] else 1
     return -1 if site_a < site_b else 1 if site_a > site_b else 0
 
 
@@ -332,6 +347,18 @@ def _tap_of(tables: Any, path: str, end: str) -> int | None:
     """The tap site serving ``<path>.output``, or ``<path>.input`` where the module's
     parent hands it a tapped operation's value (``TapTables.handed``)."""
     return tables.handed.get(path) if end == "input" else tables.site_of.get(path)
+
+
+def _taps_of(tables: Any, path: str, end: str) -> tuple[int, ...]:
+    """The tap sites serving a location: :func:`_tap_of`'s, or for what a module is
+    handed (``.input``, ``.inputs``) by a parent whose values are each a tap
+    (``TapTables.inputs``), all of them: the location is all of them together."""
+    if end == "input" and path in tables.handed:
+        return (tables.handed[path],)
+    if end in ("input", "inputs"):
+        return tuple(getattr(tables, "inputs", {}).get(path, ()))
+    site = tables.site_of.get(path)
+    return () if site is None else (site,)
 
 
 def _each(taken: tuple[str, int], rest: tuple, tables: Any) -> tuple[int, ...] | Unlowered:

@@ -269,26 +269,11 @@ def unpacked_in_two(cls: type, child: str) -> bool:
     sequence of two values on every call the forward makes, which its own source
     may not say (a norm returns one tensor or two by its arguments; a linear
     layer its output alone or with its bias, by how it was built)."""
-    try:
-        definition = forward_definition(cls)
-    except SourceTapError:
+    found = _calls_of(cls, child)
+    if not found or not found[0]:
         return False
-    if not definition.args.args:
-        return False
-    receiver = definition.args.args[0].arg
-    parents = {id(c): n for n in ast.walk(definition) for c in ast.iter_child_nodes(n)}
-    calls = 0
-    for node in ast.walk(definition):
-        if not (
-            isinstance(node, ast.Attribute)
-            and node.attr == child
-            and isinstance(node.value, ast.Name)
-            and node.value.id == receiver
-        ):
-            continue
-        call = parents.get(id(node))
-        if not (isinstance(call, ast.Call) and call.func is node):
-            return False  # the child named other than by a call of it
+    calls, parents = found
+    for call in calls:
         assign = parents.get(id(call))
         if not (
             isinstance(assign, ast.Assign)
@@ -299,5 +284,71 @@ def unpacked_in_two(cls: type, child: str) -> bool:
             and all(isinstance(e, ast.Name) for e in assign.targets[0].elts)
         ):
             return False
-        calls += 1
-    return calls > 0
+    return True
+
+
+def _calls_of(cls: type, child: str) -> tuple[list[ast.Call], dict[int, ast.AST]] | None:
+    """Every call of ``self.<child>`` in ``cls.forward``, in source order, and each
+    node's parent by ``id``; None where the forward is unreadable or names the
+    child other than to call it."""
+    try:
+        definition = forward_definition(cls)
+    except SourceTapError:
+        return None
+    if not definition.args.args:
+        return None
+    receiver = definition.args.args[0].arg
+    parents = {id(c): n for n in ast.walk(definition) for c in ast.iter_child_nodes(n)}
+    calls = []
+    for node in ast.walk(definition):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr == child
+            and isinstance(node.value, ast.Name)
+            and node.value.id == receiver
+        ):
+            call = parents.get(id(node))
+            if not (isinstance(call, ast.Call) and call.func is node):
+                return None
+            calls.append(call)
+    return sorted(calls, key=lambda c: (c.lineno, c.col_offset)), parents
+
+
+def handed_positionally(cls: type, child: str) -> int | None:
+    """How many values ``cls.forward`` hands ``self.<child>``, where every call hands
+    the same number, each a plain positional argument (``self.attn(q, k, v)``: 3),
+    and no keyword: the child's ``.inputs`` is then those values and ``{}`` on
+    every call the forward makes. None otherwise."""
+    found = _calls_of(cls, child)
+    if not found or not found[0]:
+        return None
+    calls = found[0]
+    counts = {len(c.args) for c in calls}
+    if len(counts) != 1 or any(c.keywords or any(isinstance(a, ast.Starred) for a in c.args) for c in calls):
+        return None
+    (count,) = counts
+    return count or None
+
+
+def first_call(cls: type, child: str) -> tuple[int, int] | None:
+    """Where in ``cls.forward``'s source ``self.<child>`` is first called (line,
+    column), or None: the order in which the forward reaches its children."""
+    found = _calls_of(cls, child)
+    return (found[0][0].lineno, found[0][0].col_offset) if found and found[0] else None
+
+
+def handed_in(model: Any) -> Callable[[str], int]:
+    """``path -> how many values its parent hands that module on every call`` (for
+    ``.inputs`` taps), raising ``ValueError`` where the source does not say."""
+
+    def count(path: str) -> int:
+        parent, _, child = path.rpartition(".")
+        found = handed_positionally(type(model.get_submodule(parent)), child) if parent else None
+        if found is None:
+            raise ValueError(
+                f"{path!r} is not handed the same plain values on every call its parent's forward "
+                "makes, so what its inputs are cannot be read from the source"
+            )
+        return found
+
+    return count

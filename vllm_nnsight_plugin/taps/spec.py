@@ -4,8 +4,11 @@ A pattern is a module path relative to the model (the root's own ``model.`` is
 implied) ending in ``.output``, where ``*`` stands for one path segment:
 ``"model.layers.*.output"`` is every decoder layer's output, as nnsight writes it.
 An operation inside a module's forward is tapped as nnsight names it:
-``"model.layers.*.self_attn.source.self_attn_0.output"``. A site is the module
-path, or ``<module path>.source.<operation>``. Inputs are not taps; a pattern
+``"model.layers.*.self_attn.source.self_attn_0.output"``. What a module is
+handed is tapped as ``"model.layers.*.self_attn.attn.inputs"``: one site per
+value its parent hands it, where every call hands the same plain values (read
+from the parent's source). A site is the module path,
+``<module path>.source.<operation>`` or ``<module path>.inputs.<i>``; a pattern
 that names nothing is refused with what exists instead, never ignored.
 
 Two words stand for lists: ``"layers"`` is every decoder layer's output, wherever
@@ -116,11 +119,14 @@ def resolve(
     patterns: Iterable[str],
     module_names: Iterable[str],
     operations_of: Callable[[str], list[str]] | None = None,
+    inputs_of: Callable[[str], int] | None = None,
 ) -> tuple[str, ...]:
     """The sites the patterns name, in model order, each once.
 
     ``operations_of(path)`` lists the operations of that module's forward (for
-    ``.source`` patterns); it may raise ``ValueError`` with the reason it cannot.
+    ``.source`` patterns); ``inputs_of(path)``, how many values the module is
+    handed (for ``.inputs`` patterns: one site each, ``<path>.inputs.<i>``);
+    either may raise ``ValueError`` with the reason it cannot.
     """
     names = [name for name in module_names if name]
     chosen: set[str] = set()
@@ -132,12 +138,15 @@ def resolve(
         path, dot, side = pattern.rpartition(".")
         module, source, operation = path.partition(".source.")
         malformed = (source and (not operation or "." in operation)) or module.endswith(".source")
+        if side == "inputs" and not source and dot and not malformed:
+            _inputs(pattern, module, names, inputs_of, chosen)
+            continue
         if not dot or side != "output" or malformed:
             raise TapError(
                 f"tap {pattern!r}: a tap is a module's output, 'model.layers.10.output' or "
-                "'model.layers.*.output' (* is one path segment), or an operation of its "
-                "forward, 'model.layers.*.self_attn.source.self_attn_0.output'; inputs are "
-                "served by the Python path on any engine."
+                "'model.layers.*.output' (* is one path segment), an operation of its "
+                "forward, 'model.layers.*.self_attn.source.self_attn_0.output', or the "
+                "values its parent hands it, 'model.layers.*.self_attn.attn.inputs'."
             )
         regex = re.escape(module).replace(r"\*", r"[^.]+")
         matched = [name for name in names if re.fullmatch(regex, name)]
@@ -160,11 +169,47 @@ def resolve(
                 )
             chosen.add(f"{name}.source.{operation}")
     order = {name: i for i, name in enumerate(names)}
-    return tuple(sorted(chosen, key=lambda site: (order[site.partition(".source.")[0]], site)))
+    return tuple(sorted(chosen, key=lambda site: (order[module_of(site)], site)))
+
+
+def _inputs(
+    pattern: str, module: str, names: list[str], inputs_of: Callable[[str], int] | None, chosen: set[str]
+) -> None:
+    """The sites of an ``.inputs`` pattern: one per value each matched module is handed."""
+    regex = re.escape(module).replace(r"\*", r"[^.]+")
+    matched = [name for name in names if re.fullmatch(regex, name)]
+    if not matched:
+        raise TapError(f"tap {pattern!r} names no module of this model. {_what_exists(names)}")
+    if inputs_of is None:
+        raise TapError(f"tap {pattern!r}: this engine cannot read its modules' forwards")
+    for name in matched:
+        try:
+            count = inputs_of(name)
+        except ValueError as error:
+            raise TapError(f"tap {pattern!r}: {error}") from None
+        chosen.update(f"{name}{INPUTS}{i}" for i in range(count))
+
+
+#: Between a module's path and the place of a value it is handed, in a site's name.
+INPUTS = ".inputs."
+
+
+def input_site(site: str) -> tuple[str, int] | None:
+    """An input site -> (its module's path, which of the values it is handed); None
+    for any other site."""
+    module, inputs, index = site.rpartition(INPUTS)
+    return (module, int(index)) if inputs and index.isdigit() else None
+
+
+def module_of(site: str) -> str:
+    """The path of the module a site belongs to."""
+    found = input_site(site)
+    return found[0] if found is not None else site.partition(".source.")[0]
 
 
 def split_site(site: str) -> tuple[str, str | None]:
-    """A site -> (its module's path, the operation or None for the module's output)."""
+    """A site that is not an input site (:func:`input_site`) -> (its module's path,
+    the operation or None for the module's output)."""
     module, source, operation = site.partition(".source.")
     return module, (operation if source else None)
 

@@ -298,8 +298,10 @@ class Lowering:
                         continue
                     loop_ended = lowered.stop is not None and steps >= lowered.stop
                     whole = lowered.single or lowered.cache is not None  # no loop to end
-                    if lowered.edit is not None:  # an installed edit's: collected as its saves
-                        if saves:  # (an edit is never served ``tracer.result``, as on the Python path)
+                    if lowered.edit is not None:  # an installed edit's: collected as its saves,
+                        # unless it was cleared meanwhile (its copies are dropped with theirs); an
+                        # edit is never served ``tracer.result``, as on the Python path
+                        if saves and lowered.edit in requests.templates:
                             _harvested(request, lowered.edit)["saves"].update(saves)
                         continue
                     if lowered.result is not None and (loop_ended or whole):

@@ -427,30 +427,25 @@ class WorkerRuntime:
 
     def _serve(self, at: dict[int, list[tuple[int, int, int]]], rows: int, step: Step) -> None:
         """Hand the interleaver each tap's value: ``rows`` rows, the kept ones in place."""
-        from ..taps.kept import step_rows
-        from ..taps.replay import FIRST, PAIR, served
+        from ..taps.replay import FIRST, HANDED, PAIR, served
 
         tables, interleaver = self.tables, self.model.interleaver
         for site, where, kind in served(at, tables):
             location = f"{self.model.path}.{where}"
             if interleaver.counts.get(location, 0) != step.visits.get(location, 0):
                 continue  # the forward ran as Python and served it there
-            width = tables.width(site)
-            hidden = tables.store.new_zeros((rows, width))
-            residual = hidden.new_zeros(hidden.shape) if kind == PAIR else None
-            for start, count, base in at[site]:
-                first, second = step_rows(base, tables.store, count, width)
-                hidden[start : start + count] = first
-                if residual is not None:
-                    residual[start : start + count] = second
-            if residual is not None:
-                interleaver.handle(location, (hidden, residual))
-            elif kind == FIRST:
-                interleaver.handle(location, (hidden, None))
-            elif where.endswith(".input"):
-                interleaver.handle(location, ((hidden,), {}))
+            if kind == HANDED:  # each value the module is handed, from its own tap
+                handed = tables.inputs[where.rpartition(".")[0]]
+                value: Any = (tuple(_rebuilt(tables, each, at[each], rows)[0] for each in handed), {})
             else:
-                interleaver.handle(location, hidden)
+                first, second = _rebuilt(tables, site, at[site], rows, pair=kind == PAIR)
+                if kind == PAIR:
+                    value = (first, second)
+                elif kind == FIRST:
+                    value = (first, None)
+                else:
+                    value = ((first,), {}) if where.endswith(".input") else first
+            interleaver.handle(location, value)
             self.served_at_sampler += 1
 
     def _on_samples(self, sampled: Any) -> Any:
@@ -610,6 +605,25 @@ class WorkerRuntime:
             "runner": seams.runner_name(self.runner),
             "runner_family": self.adapter.family,
         }
+
+
+def _rebuilt(
+    tables: Any, site: int, kept: list[tuple[int, int, int]], rows: int, pair: bool = False
+) -> tuple[Any, Any]:
+    """A tap's value for a step of ``rows`` rows: the kept rows of the requests
+    served it, in place (each ``(start, count, base)``), zeros elsewhere; and, for
+    a ``pair``, the second value beside it (else None)."""
+    from ..taps.kept import step_rows
+
+    width = tables.width(site)
+    first = tables.store.new_zeros((rows, width))
+    second = first.new_zeros(first.shape) if pair else None
+    for start, count, base in kept:
+        one, two = step_rows(base, tables.store, count, width)
+        first[start : start + count] = one
+        if second is not None:
+            second[start : start + count] = two
+    return first, second
 
 
 def _waiting(request: Any, edit: str | None = None) -> bool:

@@ -135,6 +135,9 @@ def may_write(source: str | None, scope: dict[str, Any], model: Any, tracer_type
     if source is None:
         return True
     models = frozenset(name for name, value in scope.items() if value is model)
+    # the model's tree: the model, or a module of it the block captured
+    # (``attention = model.model.layers[12].self_attn``), whose methods it may call
+    tree = models | frozenset(name for name, value in scope.items() if _is_envoy(value))
     reading, called = _reading(source, models)
     if not reading:
         return True
@@ -143,7 +146,7 @@ def may_write(source: str | None, scope: dict[str, Any], model: Any, tracer_type
         if name not in scope:
             continue  # a builtin, or a function the block defines (its body was read)
         value = scope[name]
-        if value is model or isinstance(value, tracer_type) or _library(value) or _plain(value, budget):
+        if name in tree or isinstance(value, tracer_type) or _library(value) or _plain(value, budget):
             continue  # the tree's and the tracer's methods, torch's functions, data's methods
         if reads_only(value, budget):
             continue  # a helper of the user's that computes on what it is handed
@@ -221,3 +224,9 @@ def reads_only(value: Any, budget: list[int], depth: int = 0) -> bool:
 def writes(mediator: Any) -> bool:
     """What admission found for a loaded block (a block loaded any other way may write)."""
     return getattr(mediator, "may_write", True)
+
+
+def _is_envoy(value: Any) -> bool:
+    from nnsight.intervention.envoy import Envoy
+
+    return isinstance(value, Envoy)
