@@ -57,6 +57,20 @@ def test_an_edit_keeping_a_row_is_lowered_and_saves_as_the_python_path(smol, smo
     assert torch.equal(plain.saves["stream"], want.saves["stream"])
 
 
+def test_an_edits_rows_of_every_step_come_back_as_its_list(smol, smollm2_llm):
+    with smol.edit() as (tracer, edit):
+        rows = list().save()
+        for _ in tracer.all():
+            rows.append(smol.model.layers[20].output[0][-1].clone())
+    with smol.trace(PROMPT, temperature=0.0, max_tokens=3) as tracer:
+        result = tracer.result.save()
+        kinds = [type(value).__name__ for value in result.saves.values()].save()  # as its block sees them
+    _, want = traced(smol, twin=True)
+    assert result.nnsight_path["lowered"] is True and want.nnsight_path["lowered"] is False
+    assert kinds == ["list"] and len(result.saves["rows"]) == 3
+    assert all(torch.equal(a, b) for a, b in zip(result.saves["rows"], want.saves["rows"]))
+
+
 def pushed_tokens(smol, twin: bool):
     _, result = traced(smol, twin, edits=["push"], max_tokens=4)
     return result

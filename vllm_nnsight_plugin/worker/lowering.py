@@ -109,6 +109,9 @@ class Lowering:
         as that edit's saves (:meth:`forget`)."""
         copy = request.copies[edit_id]
         alone = _EditCopy(request, copy)
+        if _keeps_a_cache(getattr(copy, "source", None)):  # its view is built as Python builds it
+            self.paths.python(request.id, "form", "an installed edit keeps a cache, which runs as Python")
+            return False
         if not self.lower(alone, tables, model, rows, most, split=False):
             return False
         lowered = tables.requests[request.id]
@@ -302,7 +305,11 @@ class Lowering:
                         # unless it was cleared meanwhile (its copies are dropped with theirs); an
                         # edit is never served ``tracer.result``, as on the Python path
                         if saves and lowered.edit in requests.templates:
-                            _harvested(request, lowered.edit)["saves"].update(saves)
+                            # as the Python path's copy saved them (a trace's ``tracer.result``
+                            # shows them before they are packed): lists, not stacked rows
+                            _harvested(request, lowered.edit)["saves"].update(
+                                {name: _as_saved(value) for name, value in saves.items()}
+                            )
                         continue
                     if lowered.result is not None and (loop_ended or whole):
                         saves[lowered.result] = OUTPUT
@@ -333,6 +340,23 @@ class _EditCopy:
 def _harvested(request: Any, edit_id: str) -> dict:
     """An edit's shelf on its request (``Requests.harvest`` fills the same one)."""
     return request.harvested.setdefault(edit_id, {"saves": {}, "error": None})
+
+
+def _keeps_a_cache(source: str | None) -> bool:
+    """Whether a block's source names ``.cache`` (or cannot be read)."""
+    import ast
+
+    try:
+        tree = ast.parse(source or "")
+    except SyntaxError:
+        return True
+    return any(isinstance(node, ast.Attribute) and node.attr == "cache" for node in ast.walk(tree))
+
+
+def _as_saved(value: Any) -> Any:
+    from ..returns.stacked import Stacked
+
+    return value.unstack() if isinstance(value, Stacked) else value
 
 
 def _failed(request: Any, lowered: Any, error: Any) -> None:
