@@ -531,7 +531,7 @@ def install(runner: Any, model: Any) -> TapTables | None:
             tables.handed[f"{path}.{child}"] = i
     tables.inputs = {path: tuple(found) for path, found in handed_to.items()}
     tables.reached = _first_calls(model, [*tables.handed, *tables.inputs, *(sites[i] for i in outputs)])
-    for path in {*by_module, *handed_to}:
+    for path in dict.fromkeys([*by_module, *handed_to]):  # in model order
         _tap(model.get_submodule(path), by_module.get(path, {}), tables, tables.inputs.get(path, ()))
     logger.info("vllm-nnsight: taps on %d site(s): %s", len(sites), ", ".join(sites))
     return tables

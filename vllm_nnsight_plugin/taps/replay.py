@@ -17,7 +17,8 @@ A block is served so only where that is certain:
   tuple (a decoder layer's hidden state and residual) or one tensor (the worker
   checks it is as wide as the hidden state), ``<child>.input`` where the
   child's parent hands it a tapped operation's value (``TapTables.handed``:
-  ``self_attn.o_proj.input``), ``model.logits``,
+  ``self_attn.o_proj.input``), ``<module>.inputs`` (or ``.input``) where each
+  value its parent hands it is a tap (``TapTables.inputs``), ``model.logits``,
   ``model.samples``, ``model.tokenizer``, or a call of one of its modules (or a
   module handed to such a call: ``model.lm_head`` to ``model.logits_processor``)
   that holds no attention layer and no experts, which need the step's forward
@@ -27,7 +28,7 @@ A block is served so only where that is certain:
   (``model.lm_head.weight``, ``norm.variance_epsilon``), read as it is on the
   Python path; a module named once by a name of the block's own
   (``norm = model.model.norm``) stands for that module; no other ``.input``,
-  no ``.inputs`` or ``.source``, and no location of a module reached other than
+  no other ``.inputs``, no ``.source``, and no location of a module reached other than
   by its name on the model;
 - no view of a tap's value (``h = layer.output[0]``, ``h[-1]``) is saved,
   kept in a container, handed to a call that may keep or write it, or used after
