@@ -220,7 +220,7 @@ def test_an_operation_tap_steers_lowered_as_the_python_path_does(smollm2_llm, sm
     from tests.test_taps import same_generation
 
     taps = stats(smollm2_llm)["taps"]
-    assert taps[taps.index("model.layers.10") :][:3] == ["model.layers.10", ATTENTION, "model.layers.12.mlp"]
+    assert taps.index("model.layers.10") < taps.index(ATTENTION) < taps.index("model.layers.12.mlp")
     torch.manual_seed(3)
     vector = torch.randn(576)
     before = stats(smollm2_llm)["lowered_by"]["steer"]
