@@ -354,11 +354,9 @@ def _taps_of(tables: Any, path: str, end: str) -> tuple[int, ...]:
     """The tap sites serving a location: :func:`_tap_of`'s, or for what a module is
     handed (``.input``, ``.inputs``) by a parent whose values are each a tap
     (``TapTables.inputs``), all of them: the location is all of them together."""
-    if end == "input" and path in tables.handed:
-        return (tables.handed[path],)
-    if end in ("input", "inputs"):
+    if end == "inputs" or (end == "input" and path not in tables.handed):
         return tuple(getattr(tables, "inputs", {}).get(path, ()))
-    site = tables.site_of.get(path)
+    site = _tap_of(tables, path, end)
     return () if site is None else (site,)
 
 

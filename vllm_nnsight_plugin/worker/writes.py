@@ -134,6 +134,8 @@ def may_write(source: str | None, scope: dict[str, Any], model: Any, tracer_type
     """Whether a block (its source, the values it captured) may write into the forward."""
     if source is None:
         return True
+    from ..taps.lower import _is_envoy
+
     models = frozenset(name for name, value in scope.items() if value is model)
     # the model's tree: the model, or a module of it the block captured
     # (``attention = model.model.layers[12].self_attn``), whose methods it may call
@@ -224,9 +226,3 @@ def reads_only(value: Any, budget: list[int], depth: int = 0) -> bool:
 def writes(mediator: Any) -> bool:
     """What admission found for a loaded block (a block loaded any other way may write)."""
     return getattr(mediator, "may_write", True)
-
-
-def _is_envoy(value: Any) -> bool:
-    from nnsight.intervention.envoy import Envoy
-
-    return isinstance(value, Envoy)
