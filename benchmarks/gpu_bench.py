@@ -30,7 +30,8 @@ length (32), so that no figure depends on one setting.
 ``GPU_BENCH_TAPS`` (patterns, comma-separated) replaces the tapped engines' one
 tap, e.g. ``model.layers.*.output`` for every layer (the jobs still use ``LAYER``).
 ``GPU_BENCH_IDLE_ONLY=1`` stops after the plain jobs (what the plugin costs an idle engine);
-``GPU_BENCH_JOBS=patch`` runs the tapped engine's plain jobs, then patching alone.
+``GPU_BENCH_JOBS=patch`` runs the tapped engine's plain jobs, then patching alone
+(``at_taps``: the blocks that run as Python at the taps alone).
 ``GPU_BENCH_REAL=1`` loads real weights (e.g. SmolLM2) instead of dummy ones;
 ``GPU_BENCH_SMALL=1`` shrinks everything for a dry run of the script on a CPU.
 
@@ -428,6 +429,43 @@ def lens_among_plain(model, llm, batch, tokens) -> None:
     llm.generate(prepared.prompts + others, prepared.params + [plain] * len(others), use_tqdm=False)
 
 
+def halve_if_large(model, batch, tokens, among_plain=None) -> list:
+    """A block no table runs (a Python ``if`` on the activation) on the tapped
+    layer, every step: on a tapped engine Python at the taps, the forward compiled
+    between them. ``among_plain`` (the engine): the first prompt traced, the rest
+    plain in the same batch; their outputs come back."""
+    from vllm import SamplingParams
+
+    layer = model.model.layers[LAYER]
+    traced = batch if among_plain is None else batch[:1]
+    with model.requests(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+        for ids in traced:
+            with tracer.invoke(ids):
+                for _ in tracer.iter[:tokens]:
+                    hidden = layer.output[0]
+                    if hidden.norm() > 1e9:  # never, on these activations; Python decides
+                        hidden[:] *= 0.5
+    prepared = tracer.prepared
+    plain = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False)
+    others = [{"prompt_token_ids": ids} for ids in batch[len(traced) :]]
+    llm = model.vllm_entrypoint if among_plain is None else among_plain
+    return llm.generate(prepared.prompts + others, prepared.params + [plain] * len(others), use_tqdm=False)
+
+
+def carry_between_taps(model, batch, tokens) -> None:
+    """A value carried from one tap to a later one in the same step (the tapped
+    layer's stream norm rescales the next layer's output): no table runs it."""
+    first, second = model.model.layers[LAYER], model.model.layers[LAYER + 1]
+    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+        for ids in batch:
+            with tracer.invoke(ids):
+                for _ in tracer.iter[:tokens]:
+                    stream = first.output[0] + first.output[1]
+                    norm = stream.norm(dim=-1, keepdim=True)
+                    hidden = second.output[0]
+                    hidden[:] *= (norm / norm.clamp(min=1.0)).to(hidden.dtype)
+
+
 def prompt_read(model, batch, tokens) -> list:
     """Each request keeps one layer's last prompt row (a sweep's read), then generates."""
     layer = model.model.layers[LAYER]
@@ -542,6 +580,9 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
     model = VLLM(llm)
     if kind == "taps" and os.environ.get("GPU_BENCH_JOBS") == "patch":  # that job alone
         patch_jobs(model, llm, name, repeats, few)
+        return
+    if kind == "taps" and os.environ.get("GPU_BENCH_JOBS") == "at_taps":  # those jobs alone
+        at_taps_jobs(model, llm, name, repeats, few, params)
         return
     vector = unit_vector(path)
     steer(model, few[:4], 8, vector)  # warm-up: builds the worker's tree
@@ -689,6 +730,8 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
             max_rel_err=float(f"{max(errors):.3g}"),
             of=len(lowered_rows),
         )
+    if kind == "taps" and every_layer_tapped():
+        at_taps_jobs(model, llm, name, repeats, few, params)
     prompt_read(model, few[:4], 8)
     for _ in range(repeats):  # a median, as for plain
         batch = unique(CONCURRENT)
@@ -721,6 +764,48 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
     result(engine=name, job="sweep", ms=round(1000 * statistics.median(walls), 1))
     (stats,) = llm.collective_rpc("nnsight_stats")
     result(engine=name, job="stats", **stats)
+
+
+def at_taps_jobs(model, llm, name: str, repeats: int, few: list, params) -> None:
+    """Blocks no table runs, whose every location is a tap: Python at the taps,
+    the forward compiled between them. One among 63 plain (and whether the 63 draw
+    what they draw in an all-plain batch), 64 of them, and a second block (a value
+    carried between two taps)."""
+    (before,) = llm.collective_rpc("nnsight_stats")
+    halve_if_large(model, few[:4], 8)  # warm-up
+    for _ in range(repeats):
+        batch = unique(CONCURRENT)
+        wall = timed(lambda batch=batch: halve_if_large(model, batch, TOKENS, among_plain=llm))
+        result(engine=name, job="at_taps_among_plain", tok_s=round(CONCURRENT * TOKENS / wall, 1))
+    batch = unique(CONCURRENT)
+    beside = halve_if_large(model, batch, TOKENS, among_plain=llm)
+    alone = llm.generate([{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False)
+    result(
+        engine=name,
+        job="at_taps_neighbours",
+        same_tokens=sum(
+            list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
+            for a, b in zip(beside[1:], alone[1:])
+        ),
+        of=len(batch) - 1,
+    )
+    for _ in range(repeats):
+        batch = unique(CONCURRENT)
+        wall = timed(lambda batch=batch: halve_if_large(model, batch, TOKENS))
+        result(engine=name, job="at_taps_all", tok_s=round(CONCURRENT * TOKENS / wall, 1))
+    carry_between_taps(model, few[:4], 8)  # warm-up
+    for _ in range(repeats):
+        batch = unique(CONCURRENT)
+        wall = timed(lambda batch=batch: carry_between_taps(model, batch, TOKENS))
+        result(engine=name, job="at_taps_carry", tok_s=round(CONCURRENT * TOKENS / wall, 1))
+    (after,) = llm.collective_rpc("nnsight_stats")
+    result(
+        engine=name,
+        job="at_taps_path",
+        at_taps=after.get("python_at_taps", 0) - before.get("python_at_taps", 0),
+        steps_at_taps=after.get("steps_at_taps", 0) - before.get("steps_at_taps", 0),
+        uncompiled_steps=after["uncompiled_steps"] - before["uncompiled_steps"],
+    )
 
 
 def hotwire_engine(path: str, repeats: int) -> None:

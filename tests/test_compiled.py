@@ -12,7 +12,7 @@ import torch
 from vllm import SamplingParams
 
 from tests.conftest import SESSION_SITES, SESSION_TAPS, start_llm, stop_llm
-from tests.test_taps import steer_as_python, steer_seeds_loop
+from tests.test_taps import same_generation, steer_as_python, steer_seeds_loop
 from tests.test_taps_keep import keep_lowered, keep_python
 from vllm_nnsight_plugin import VLLM
 
@@ -25,12 +25,18 @@ def uncompiled_steps(llm) -> int:
     return stats["uncompiled_steps"]
 
 
+def steps_at_taps(llm) -> int:
+    (stats,) = llm.collective_rpc("nnsight_stats")
+    return stats["steps_at_taps"]
+
+
 def steered_reads(model, vector, steps=4):
+    """Layer 3 is no tap: the block's steps run their forward as Python."""
     with model.trace(PROMPT, temperature=0.0, max_tokens=steps) as tracer:
         reads, logits = list().save(), list().save()
         for _ in tracer.iter[:steps]:
-            reads.append(model.model.layers[10].output[0].clone())
-            model.model.layers[10].output[0][:] += 8.0 * vector
+            reads.append(model.model.layers[3].output[0].clone())
+            model.model.layers[3].output[0][:] += 8.0 * vector
             logits.append(model.logits.clone())
         out = tracer.result.save()
     return reads, logits, list(out.outputs[0].token_ids)
@@ -116,16 +122,14 @@ def test_a_lowered_block_keeps_every_step_compiled(compiled):
     lowered = steer_seeds_loop(model, vectors)
     assert lowered_count(compiled) - before_lowered == 3
     assert uncompiled_steps(compiled) == before_python  # every step stayed compiled
+    at_taps = steps_at_taps(compiled)
     python = steer_as_python(model, vectors)
     assert lowered_count(compiled) - before_lowered == 3  # not lowered
-    assert uncompiled_steps(compiled) - before_python >= 5  # its steps ran as Python
-    # Compiled and Python steps fuse differently, so the two agree closely, not
-    # bit for bit (on an eager engine they do: tests/test_taps.py).
-    for a, b in zip(lowered, python, strict=True):
-        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
-        for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
-            for token, logprob in step_a.items():
-                assert abs(logprob.logprob - step_b[token].logprob) < 1e-4
+    assert [out.nnsight_path["form"] for out in python] == ["taps"] * 3
+    assert uncompiled_steps(compiled) == before_python  # Python at the taps, compiled between them
+    assert steps_at_taps(compiled) - at_taps >= 5
+    # The same compiled kernels either way; the batches may be cut otherwise.
+    same_generation(python, lowered, exact=False)
     plain = compiled.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)
     assert list(plain[0].outputs[0].token_ids) != list(lowered[0].outputs[0].token_ids)  # it steered
     (stats,) = compiled.collective_rpc("nnsight_stats")
@@ -199,6 +203,134 @@ def test_an_operation_tap_is_lowered_and_every_step_stays_compiled(compiled):
             assert torch.allclose(a, b, atol=1e-3, rtol=1e-4)
 
 
+# ---------------------------------------------------------------- Python at the taps
+def steer_if(model, vector, whole_forward=False, steps=4):
+    """A block the tables cannot run (a Python ``if`` on an activation) whose every
+    location is a tap; ``whole_forward``: the same, plus a read of a module that is
+    no tap, which takes its steps' forwards off the compiled path."""
+    with model.trace(PROMPT, temperature=0.0, max_tokens=steps, logprobs=3) as tracer:
+        reads = list().save()
+        for _ in tracer.iter[:steps]:
+            if whole_forward:
+                model.model.embed_tokens.output.clone()
+            hidden = model.model.layers[10].output[0]
+            if hidden.norm() > 0:
+                hidden[:] += 8.0 * vector
+            reads.append(model.model.layers[20].output[0].clone())
+        out = tracer.result.save()
+    return reads, out
+
+
+def steer_lowered(model, vector, steps=4):
+    with model.trace(PROMPT, temperature=0.0, max_tokens=steps, logprobs=3) as tracer:
+        for _ in tracer.iter[:steps]:
+            model.model.layers[10].output[0][:] += 8.0 * vector
+        out = tracer.result.save()
+    return out
+
+
+def test_a_block_on_taps_runs_at_the_taps_and_every_step_stays_compiled(compiled):
+    model = VLLM(compiled)
+    torch.manual_seed(7)
+    vector = torch.randn(576)  # large enough to move greedy tokens
+    before, at_taps = uncompiled_steps(compiled), steps_at_taps(compiled)
+    reads, out = steer_if(model, vector)
+    assert out.nnsight_path["form"] == "taps" and out.nnsight_path["lowered"] is False
+    assert "`if`" in out.nnsight_path["reason"]
+    assert uncompiled_steps(compiled) == before
+    assert steps_at_taps(compiled) - at_taps == 4
+    assert [tuple(r.shape) for r in reads] == [(5, 576), (1, 576), (1, 576), (1, 576)]
+    # The edit is the lowered steering loop's: the same compiled kernels, bit for bit.
+    same_generation([out], [steer_lowered(model, vector)])
+    plain = compiled.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    assert list(plain[0].outputs[0].token_ids) != list(out.outputs[0].token_ids)  # it steered
+    # The whole forward as Python (eager kernels): close, not bit for bit.
+    want_reads, want = steer_if(model, vector, whole_forward=True)
+    assert want.nnsight_path["form"] is None and uncompiled_steps(compiled) - before == 4
+    assert list(out.outputs[0].token_ids) == list(want.outputs[0].token_ids)
+    for got, expected in zip(reads, want_reads, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)
+    (stats,) = compiled.collective_rpc("nnsight_stats")
+    assert stats["tracked"] == 0
+
+
+def test_a_plain_neighbour_of_a_block_at_the_taps_computes_what_it_computes_alone(compiled):
+    """The traced request beside a plain one, then the same prompt plain beside it:
+    the neighbour's tokens and log-probabilities (a Python step would run the whole
+    batch's forward with the eager kernels)."""
+    import vllm_nnsight_plugin
+
+    model = VLLM(compiled)
+    neighbour = "Paris is a city in"
+    # Both rows run every step (no early end): the batches keep one shape.
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, ignore_eos=True)
+    with model.requests(PROMPT, temperature=0.0, max_tokens=6, ignore_eos=True) as tracer:
+        for _ in tracer.iter[:6]:
+            hidden = model.model.layers[10].output[0]
+            if hidden.norm() > 0:
+                hidden[:] *= 0.5
+    prepared = tracer.prepared
+    before = uncompiled_steps(compiled)
+    traced, beside = compiled.generate(
+        prepared.prompts + [neighbour], prepared.params + [params], use_tqdm=False
+    )
+    assert uncompiled_steps(compiled) == before
+    vllm_nnsight_plugin.saves(traced)  # no error
+    plain = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    _, alone = compiled.generate([PROMPT, neighbour], [plain, params], use_tqdm=False)
+    # The same compiled kernels (no step left the compiled path); bit for bit where the
+    # two runs cut their batches alike, which the front end's timing decides.
+    same_generation([beside], [alone], exact=False)
+    assert list(traced.outputs[0].token_ids) != list(_.outputs[0].token_ids)  # the block edited
+
+
+def replaced(model, whole_forward=False, steps=3):
+    """A replacement of a layer's output and an edit of what attention is handed."""
+    with model.trace(PROMPT, temperature=0.0, max_tokens=steps, logprobs=3) as tracer:
+        for _ in tracer.iter[:steps]:
+            if whole_forward:
+                model.model.embed_tokens.output.clone()
+            query = model.model.layers[10].self_attn.attn.inputs[0][0]
+            if query.abs().max() > 0:
+                query[:] *= 0.25
+            layer = model.model.layers[20]
+            layer.output = (layer.output[0] * -4.0, layer.output[1])
+        out = tracer.result.save()
+    return out
+
+
+def test_replacements_and_edits_of_what_a_module_is_handed_land_at_the_taps(compiled):
+    model = VLLM(compiled)
+    before = uncompiled_steps(compiled)
+    out = replaced(model)
+    assert out.nnsight_path["form"] == "taps", out.nnsight_path
+    assert uncompiled_steps(compiled) == before
+    want = replaced(model, whole_forward=True)
+    assert want.nnsight_path["form"] is None
+    same_generation([out], [want], exact=False)  # compiled and eager kernels: close
+    plain = compiled.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
+    assert list(plain[0].outputs[0].token_ids) != list(out.outputs[0].token_ids)
+
+
+def test_a_block_that_fails_at_a_tap_ends_its_own_request_only(compiled):
+    import vllm_nnsight_plugin
+
+    model = VLLM(compiled)
+    with model.requests(PROMPT, temperature=0.0, max_tokens=4) as tracer:
+        hidden = model.model.layers[10].output[0]
+        if hidden.norm() > 0:
+            hidden[:] += torch.ones(3)  # the wrong width
+    prepared = tracer.prepared
+    plain = SamplingParams(temperature=0.0, max_tokens=4)
+    want = compiled.generate([PROMPT], [plain], use_tqdm=False)[0]
+    traced, beside = compiled.generate(prepared.prompts + [PROMPT], prepared.params + [plain], use_tqdm=False)
+    with pytest.raises(Exception, match="size"):
+        vllm_nnsight_plugin.saves(traced)
+    assert list(beside.outputs[0].token_ids) == list(want.outputs[0].token_ids)
+    (stats,) = compiled.collective_rpc("nnsight_stats")
+    assert stats["tracked"] == 0
+
+
 def out_of_order(model):
     with model.trace(PROMPT, temperature=0.0, max_tokens=1):
         late = model.model.layers[20].output[0].clone().save()  # noqa: F841
@@ -219,7 +351,7 @@ def compiled_no_fallback(smollm2_path, compiled):
     stop_llm(compiled)  # one engine at a time on two cores
     os.environ["VLLM_NNSIGHT_EAGER_STEPS"] = "0"  # read by the workers it spawns
     try:
-        llm = start_llm(smollm2_path, enforce_eager=False)
+        llm = start_llm(smollm2_path, enforce_eager=False, additional_config={"nnsight_taps": SESSION_TAPS})
     finally:
         del os.environ["VLLM_NNSIGHT_EAGER_STEPS"]
     yield llm
@@ -230,7 +362,7 @@ def test_without_the_fallback_a_module_location_is_refused_not_ignored(compiled_
     model = VLLM(compiled_no_fallback)
     with pytest.raises(Exception, match="CompiledForwardError"):
         with model.trace(PROMPT, temperature=0.0):
-            model.model.layers[10].output[0].clone().save()
+            model.model.layers[3].output[0].clone().save()  # no tap
     # logits and samples are served outside the forward, compiled or not.
     with model.trace(PROMPT, temperature=0.0):
         logits = model.logits.save()
@@ -238,5 +370,13 @@ def test_without_the_fallback_a_module_location_is_refused_not_ignored(compiled_
         want = smol.logits.save()
     torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
     assert uncompiled_steps(compiled_no_fallback) == 0
+    # A block on taps needs no Python forward: it runs there too.
+    vector = torch.ones(576)
+    with model.trace(PROMPT, temperature=0.0, max_tokens=2):
+        hidden = model.model.layers[10].output[0]
+        if hidden.norm() > 0:
+            hidden[:] += vector
+        kept = model.model.layers[10].output[0].clone().save()
+    assert kept.shape == (5, 576) and uncompiled_steps(compiled_no_fallback) == 0
     (stats,) = compiled_no_fallback.collective_rpc("nnsight_stats")
     assert stats["tracked"] == 0

@@ -83,11 +83,22 @@ def test_the_first_reason_stands_and_each_request_is_counted_once():
     paths.python("a", *NO_TAPS)
     paths.lowered("b", "steer")
     paths.python("c", *NO_TAPS)
-    assert paths.stats() == {"python_blocks": 2, "python_why": {"edits": 1, "no_taps": 1}}
+    paths.at_taps("d", "form", "a Python `if` or `while` decides what it does")
+    paths.at_taps("d", "form", "counted once")
+    assert paths.stats() == {
+        "python_blocks": 3,
+        "python_why": {"edits": 1, "no_taps": 1, "form": 1},
+        "python_at_taps": 1,
+    }
+    assert paths.take(["d"]) == {
+        "lowered": False,
+        "form": "taps",
+        "reason": "a Python `if` or `while` decides what it does",
+    }
     assert paths.take(["a-0", "a"]) == {"lowered": False, "form": None, "reason": EDITED[1]}
     assert paths.take(["a"]) is None  # taken once
     assert paths.take(["b"]) == {"lowered": True, "form": "steer", "reason": None}
-    paths.keep_only({"d"})
+    paths.keep_only({"e"})
     assert paths.taken == {}
 
 

@@ -51,7 +51,7 @@ def steer_python(model, vectors):
             with tracer.invoke(prompt):
                 for _ in tracer.iter[:12]:
                     hidden = model.model.layers[10].output[0]
-                    hidden[:] = hidden + vector  # an assignment: not lowered
+                    hidden[:] = hidden + vector  # an assignment: not lowered, Python at the taps
                 out = tracer.result.save()
     return out
 
@@ -79,8 +79,11 @@ def test_lowered_steering_matches_python_and_stays_in_the_graphs(tapped):
     assert middle["lowered"] - before["lowered"] == 4
     assert middle["uncompiled_steps"] == before["uncompiled_steps"]  # every step graphed
     python = steer_python(model, vectors)
-    assert stats(tapped)["uncompiled_steps"] > middle["uncompiled_steps"]
-    # Compiled steps and Python (eager-kernel) steps round differently in bf16: the
+    after = stats(tapped)
+    assert after["uncompiled_steps"] == middle["uncompiled_steps"]  # compiled, between the taps
+    assert after["steps_at_taps"] > middle["steps_at_taps"]
+    # Graphed steps and steps without a graph (other batch shapes, other GEMM
+    # choices) round differently in bf16: the
     # first step's log-probabilities agree to a couple of the logits' bf16 steps
     # (0.125 at magnitudes 16-32), the first greedy token with them (a near-tie
     # later in a steered generation may still go either way).
@@ -193,3 +196,38 @@ def test_a_block_sees_no_step_past_the_token_that_ends_its_request(tapped):
     assert after["lowered"] - before["lowered"] == 1 and after["tracked"] == 0
     assert len(stream) == i + 1 and [tuple(t.shape) for t in stream[1:]] == [(1, 576)] * i
     assert drawn_until(model, tokens[i]) == tokens[: i + 1]
+
+
+def steer_if(model, vectors, whole_forward=False):
+    """A Python ``if`` on the activation: at the taps, or (``whole_forward``, a read
+    of a module that is no tap beside it) a Python forward."""
+    with model.trace(temperature=0.0, max_tokens=8) as tracer:
+        for prompt, vector in zip(PROMPTS, vectors):
+            with tracer.invoke(prompt):
+                reads = list().save()
+                for _ in tracer.iter[:8]:
+                    if whole_forward:
+                        model.model.embed_tokens.output.clone()
+                    hidden = model.model.layers[10].output[0]
+                    if hidden.norm() > 0:
+                        hidden[:] += vector
+                    reads.append(model.model.layers[20].output[0].clone())
+                out = tracer.result.save()
+    return reads, out
+
+
+def test_a_block_at_the_taps_matches_the_python_forward(tapped):
+    model = VLLM(tapped)
+    torch.manual_seed(4)
+    vectors = [(8.0 * torch.randn(576, device="cuda") / 24).to(torch.bfloat16) for _ in PROMPTS[:4]]
+    before = stats(tapped)
+    reads, out = steer_if(model, vectors)
+    middle = stats(tapped)
+    assert out.nnsight_path["form"] == "taps"
+    assert middle["uncompiled_steps"] == before["uncompiled_steps"]
+    assert middle["steps_at_taps"] - before["steps_at_taps"] >= 8
+    want_reads, want = steer_if(model, vectors, whole_forward=True)
+    assert want.nnsight_path["form"] is None
+    assert stats(tapped)["uncompiled_steps"] > middle["uncompiled_steps"]
+    assert cosine(reads[0], want_reads[0]) >= 0.999  # the prompt's rows, first step
+    assert out.outputs[0].token_ids[0] == want.outputs[0].token_ids[0]

@@ -128,6 +128,26 @@ def forget_seen(slots: torch.Tensor, codes: torch.Tensor | None = None) -> None:
             del _PASSED[key]
 
 
+#: Called with each tap's value while blocks run as Python at the taps
+#: (``worker/live.py``): ``(site, value, second)``, ``second`` the residual of a
+#: pair or None. The value is this operation's own output and the residual is
+#: declared mutated, so a block's in-place edits of either are edits of what the
+#: forward goes on with. None outside such a forward.
+_LIVE: list[Any] = [None]
+
+
+def at_taps(hook: Any) -> None:
+    """Hand every tap's value to ``hook`` (None: to nobody) from now on."""
+    _LIVE[0] = hook
+
+
+def _at_the_tap(site: int, out: torch.Tensor, second: torch.Tensor | None) -> torch.Tensor:
+    hook = _LIVE[0]
+    if hook is not None:
+        hook(site, out, second)
+    return out
+
+
 #: ``how[slot, 0]``: the edit an entry of the bank makes.
 ADD, PROJECT, PROJECT_STREAM, SCALE, FILL, PATCH, PATCH_COLUMNS = 0, 1, 2, 3, 4, 5, 6
 
@@ -141,7 +161,7 @@ def steer(
     how: torch.Tensor,
     site: int,
 ) -> torch.Tensor:
-    return _steered(hidden, second, slots, bank, how, site, pair=False)
+    return _at_the_tap(site, _steered(hidden, second, slots, bank, how, site, pair=False), None)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::steer_pair", mutates_args=("second",))
@@ -154,7 +174,7 @@ def steer_pair(
     site: int,
 ) -> torch.Tensor:
     """``steer`` on a (hidden, residual) pair, whose residual rows a patch also sets."""
-    return _steered(hidden, second, slots, bank, how, site, pair=True)
+    return _at_the_tap(site, _steered(hidden, second, slots, bank, how, site, pair=True), second)
 
 
 def _steered(
@@ -421,9 +441,10 @@ def _tapped(
         out = _steered(hidden, second, slots, bank, how, site, pair)
         if keeps:
             keep(out, out if keeps == 2 else second, codes, dest, store, site)
-        return out
+        return _at_the_tap(site, out, second if pair else None)
     _SEEN[slots.data_ptr(), site] = (tuple(hidden.shape), hidden.dtype)
-    return launch(kernel, hidden, second, table, bank, how, store, site, keeps, pair)
+    out = launch(kernel, hidden, second, table, bank, how, store, site, keeps, pair)
+    return _at_the_tap(site, out, second if pair else None)
 
 
 def launch(

@@ -378,7 +378,9 @@ def _each(taken: tuple[str, int], rest: tuple, tables: Any) -> tuple[int, ...] |
         path = f"{where}.{i}{below}" if where else f"{i}{below}"
         site = _tap_of(tables, path, rest[end])
         if site is None:
-            return Unlowered("not_a_tap", f"it reads `model.{path}.{rest[end]}`, which is no tap on this engine")
+            return Unlowered(
+                "not_a_tap", f"it reads `model.{path}.{rest[end]}`, which is no tap on this engine"
+            )
         sites.append(site)
     return tuple(sites)
 
@@ -483,6 +485,17 @@ def _aliasing(source: str, scope: Any = None, model: Any = None) -> str | None:
     return None
 
 
+#: Locations a block may assign a new value to.
+_SWAPPED = frozenset({"output", "input", "inputs"})
+
+
+def _swaps(node: ast.stmt) -> bool:
+    """An assignment of a location's new value (``layer.output = (h * 0.5, layer.output[1])``)."""
+    return isinstance(node, ast.Assign) and all(
+        isinstance(target, ast.Attribute) and target.attr in _SWAPPED for target in node.targets
+    )
+
+
 class _Hazard(Exception):
     pass
 
@@ -521,11 +534,19 @@ class _Views:
             return
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             raise _Hazard("it defines a function, whose reads cannot be followed")
+        if _swaps(node) and isinstance(node.value, (ast.Tuple, ast.List)):
+            # a location's new value, built of its parts: the tuple is the forward's, not
+            # kept; the location is reached first (a view of an earlier one is stale there)
+            for part in [*node.targets, *node.value.elts]:
+                self.expression(part)
+            return
         self.expression(node)
         if isinstance(node, ast.Assign):
             view = self.is_view(node.value)
             for target in node.targets:
-                if not isinstance(target, (ast.Name, ast.Tuple, ast.List, ast.Starred)) and view:
+                # a location's new value is what the forward goes on with, on either path
+                swap = isinstance(target, ast.Attribute) and target.attr in _SWAPPED
+                if not isinstance(target, (ast.Name, ast.Tuple, ast.List, ast.Starred)) and view and not swap:
                     raise _Hazard("it keeps a view of a tap's value past its statement")
                 self.bind(target, view)
         elif isinstance(node, (ast.AnnAssign, ast.AugAssign)) and node.value is not None:
@@ -600,7 +621,13 @@ class _Views:
 
     def reads_a_location(self, node: ast.AST) -> bool:
         for sub in ast.walk(node):
-            if isinstance(sub, ast.Attribute) and sub.attr in ("output", "input", "logits", "samples", "result"):
+            if isinstance(sub, ast.Attribute) and sub.attr in (
+                "output",
+                "input",
+                "logits",
+                "samples",
+                "result",
+            ):
                 return True
         return False
 

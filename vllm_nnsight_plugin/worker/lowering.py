@@ -21,6 +21,9 @@ from .paths import AT_SAMPLER, COPIES, NO_ROOM, OUT_OF_RANGE, SEQUENCES, SPECULA
 OUTPUT = object()
 
 
+#: Why a block the tables do not run, and whose form was not read, runs as Python.
+_WRITES = ("form", "it writes into the forward in a way the tap tables do not express")
+
 #: How many distinct lowered blocks an engine remembers (:meth:`Lowering.lower_known`).
 _KNOWN_LIMIT = 256
 
@@ -55,6 +58,9 @@ class Lowering:
         self.mixed: set[str] = set()
         #: Requests whose block reads a tap at the sampler (``taps/replay.py``).
         self.replays: dict[str, Any] = {}
+        #: Blocks on taps the tables cannot run go to the compiled forward's taps
+        #: (``live.py``): where the forward is compiled (an eager one serves them anyway).
+        self.at_taps = runner is not None and not seams.engine_is_eager(runner.vllm_config)
 
     def lower(
         self,
@@ -187,13 +193,18 @@ class Lowering:
         from . import _nnsight as nns
 
         mediator = request.mediator
-        if sites is None and not getattr(mediator, "may_write", True) and not mediator.caches:
+        writes = getattr(mediator, "may_write", True)
+        if sites is None and (not writes or self.at_taps) and not mediator.caches:
             sites = replayable(
-                source or nns.block_source(mediator), nns.block_scope(mediator), model, tables, _modules(model)
+                source or nns.block_source(mediator),
+                nns.block_scope(mediator),
+                model,
+                tables,
+                _modules(model),
             )
             if isinstance(sites, tuple) and not all(tables.served_whole(s) for s in sites):
                 sites = None  # served as the values kept: a longer tuple, or another width, is not that
-            if isinstance(sites, tuple) and digest is not None:
+            if isinstance(sites, tuple) and digest is not None and not writes:
                 self.served[digest] = sites
                 while len(self.served) > _KNOWN_LIMIT:
                     self.served.popitem(last=False)
@@ -202,16 +213,17 @@ class Lowering:
                 why = sites  # what it reads is all served: how it uses it is the reason
             self.paths.python(request.id, why.kind, why.reason)
             return False
+        if writes:  # its edits must land in the forward: Python at the taps
+            kind, reason = (why.kind, why.reason) if why is not None else _WRITES
+            return self._at_taps(request, sites, kind, reason)
         lowered = Lowered(sites[0], 0, None, None, code=KEEP_BOTH, replay=True)
         # a whole recompute's rows fit: its prompt and tokens, at its widest tap
         lowered.widest = max(tables.replay_stride(site) for site in sites)
         room = most * lowered.widest
         if room <= 0:
-            self.paths.python(request.id, *UNSIZED)
-            return False
+            return self._at_taps(request, sites, *UNSIZED)
         if not tables.add(request.id, lowered, None, room, sites[1:]):
-            self.paths.python(request.id, *NO_ROOM)
-            return False
+            return self._at_taps(request, sites, *NO_ROOM)
         mediator.needs_forward = False  # served at the sampler: the forward stays compiled
         self.replays[request.id] = lowered
         self.mixed.add(request.id)
@@ -219,6 +231,18 @@ class Lowering:
         self.by_form["replay"] += 1
         self.paths.lowered(request.id, "replay")
         return True
+
+    def _at_taps(self, request: Any, sites: tuple[int, ...], kind: str, reason: str) -> bool:
+        """A block whose every location is a tap, and which the tables cannot run:
+        on a compiled engine it runs as Python at those taps while the rest of its
+        steps' forwards stay compiled (``live.py``); on an eager one, as Python.
+        Either way it is not lowered (False)."""
+        if self.at_taps and not isinstance(request, _EditCopy):
+            request.mediator.at_taps = sites
+            self.paths.at_taps(request.id, kind, reason)
+        else:
+            self.paths.python(request.id, kind, reason)
+        return False
 
     def _may_lower(self, request: Any) -> bool:
         wanting = any(getattr(copy, "needs_forward", True) for copy in request.copies.values())

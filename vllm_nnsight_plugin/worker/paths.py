@@ -17,7 +17,9 @@ from typing import Any
 @dataclass(frozen=True)
 class Path:
     lowered: bool
-    form: str | None = None  # lowered: steer, keep, read, cache, or replay (served at the sampler)
+    #: lowered: steer, keep, read, cache, or replay (served at the sampler); Python:
+    #: ``taps`` where it runs at the taps of a compiled forward (``live.py``)
+    form: str | None = None
     kind: str | None = None  # Python: why, in one word (counted)
     reason: str | None = None  # Python: why, in words (on the output)
 
@@ -28,7 +30,10 @@ class Path:
 
 #: Reasons decided before a block is looked at.
 NO_TAPS = ("no_taps", "this engine declares no taps (the `nnsight_taps` setting)")
-EDITED = ("edits", "two or more of its blocks (its own, its installed edits: `model.edit()`) use the forward, so all run as Python")
+EDITED = (
+    "edits",
+    "two or more of its blocks (its own, its installed edits: `model.edit()`) use the forward, so all run as Python",
+)
 CHUNKED = ("chunked", "its prompt is split over several steps by chunked prefill")
 SEQUENCES = ("sequences", "it is one of several sequences (`n > 1`) or a copy of a registered block")
 SPECULATIVE = ("speculative", "this engine decodes speculatively")
@@ -49,20 +54,31 @@ AT_SAMPLER = (
 )
 
 
+#: The form of a Python block that runs at the taps of a compiled forward.
+AT_TAPS = "taps"
+
+
 class Paths:
     """Per tracked request, the path it took, until its reply is built."""
 
     def __init__(self) -> None:
         self.taken: dict[str, Path] = {}
         self.python_why: Counter[str] = Counter()
+        self.at_taps_count = 0
 
     def lowered(self, request_id: str, form: str) -> None:
         self.taken[request_id] = Path(True, form=form)
 
-    def python(self, request_id: str, kind: str, reason: str) -> None:
+    def python(self, request_id: str, kind: str, reason: str, form: str | None = None) -> None:
         if request_id not in self.taken:  # the first reason stands
             self.python_why[kind] += 1
-            self.taken[request_id] = Path(False, kind=kind, reason=reason)
+            self.taken[request_id] = Path(False, form=form, kind=kind, reason=reason)
+
+    def at_taps(self, request_id: str, kind: str, reason: str) -> None:
+        """Python, at the taps of a compiled forward: its steps stay compiled."""
+        if request_id not in self.taken:
+            self.at_taps_count += 1
+        self.python(request_id, kind, reason, form=AT_TAPS)
 
     def take(self, request_ids: list[str]) -> dict[str, Any] | None:
         """The reply of the first of ``request_ids`` (a request, or its sequences,
@@ -75,4 +91,8 @@ class Paths:
             del self.taken[request_id]
 
     def stats(self) -> dict[str, Any]:
-        return {"python_blocks": sum(self.python_why.values()), "python_why": dict(self.python_why)}
+        return {
+            "python_blocks": sum(self.python_why.values()),
+            "python_why": dict(self.python_why),
+            "python_at_taps": self.at_taps_count,
+        }

@@ -53,6 +53,9 @@ from .step import Phase, Step
 from .stops import Stops
 from .writes import writes
 
+#: What a step's blocks ask of its forward (``WorkerRuntime._forward_wanted``).
+PYTHON, TAPS = "python", "taps"
+
 logger = logging.getLogger("vllm_nnsight_plugin")
 
 _UNCOLLECTED_ENV = "VLLM_NNSIGHT_UNCOLLECTED_S"
@@ -84,6 +87,7 @@ class WorkerRuntime:
         self.eager_steps = bool(settings.value(_EAGER_STEPS_ENV))
         self.python_steps = 0
         self.served_at_sampler = 0  # taps served to blocks at the sampler (``taps/replay.py``)
+        self.steps_at_taps = self.taps_handed = 0  # blocks run at the taps of a compiled forward
         self.resumed = self.preempted = 0  # requests resumed after a preemption; blocks it ended
         self.recomputing: set[str] = set()  # resumed requests whose blocks go on, until the recompute ends
         self.continued = 0  # blocks that went on through a recompute
@@ -161,9 +165,12 @@ class WorkerRuntime:
         if new_block:
             self._admit(scheduler_output)
         forward = self._forward_wanted(scheduler_output)
-        python = not self.eager and self.eager_steps and forward
-        self.step = Step(scheduler_output, python=python, forward=forward)
-        self.adapter.ask_eager(self.runner, python)
+        # On a compiled engine, blocks whose every location is a tap run at the taps
+        # of the compiled forward (``live.py``); an eager forward serves them anyway.
+        at_taps = forward == TAPS and not self.eager
+        python = not self.eager and self.eager_steps and forward == PYTHON
+        self.step = Step(scheduler_output, python=python, forward=forward is not None, at_taps=at_taps)
+        self.adapter.ask_eager(self.runner, python or at_taps)
 
     def _admit(self, scheduler_output: Any) -> None:
         """Open the envelopes of this step's new requests and give them their copies of
@@ -255,24 +262,25 @@ class WorkerRuntime:
         step.filled = self.adapter.rows(self.runner)
         tables.fill(*step.filled)
 
-    def _forward_wanted(self, scheduler_output: Any) -> bool:
-        """Whether a block in this step, not yet finished, may ask for a module location."""
+    def _forward_wanted(self, scheduler_output: Any) -> str | None:
+        """Whether a block in this step, not yet finished, may ask for a module
+        location: ``PYTHON`` where one may ask for any, ``TAPS`` where every such
+        block asks only for taps (``live.py``), else None."""
         requests = self.requests.requests
         if not requests or self._all_lowered():
-            return False
+            return None
         ended = self.stops.ended
+        found = None
         for request_id in seams.scheduled_ids(scheduler_output):
             request = requests.get(request_id)
-            if (
-                request is not None
-                and request_id not in ended
-                and any(
-                    (m.worker is None or m.alive or m.caches) and getattr(m, "needs_forward", True)
-                    for m in request.workers()
-                )
-            ):
-                return True
-        return False
+            if request is None or request_id in ended:
+                continue
+            for m in request.workers():
+                if (m.worker is None or m.alive or m.caches) and getattr(m, "needs_forward", True):
+                    if getattr(m, "at_taps", None) is None:
+                        return PYTHON
+                    found = TAPS
+        return found
 
     def _all_lowered(self) -> bool:
         """Every tracked request runs on the tap tables (a check that costs nothing
@@ -290,14 +298,15 @@ class WorkerRuntime:
         if step is None:
             return
         self._end_python(step)
+        self._close_taps(step)
         if step.phase is Phase.FORWARD:
             self.model.interleaver.__exit__(None, None, None)
 
     def _end_python(self, step: Step) -> None:
         if self.kernels is not None:
             self.kernels.restore()
-        if step.python:
-            step.python = False
+        if step.python or step.at_taps:
+            step.python = step.at_taps = False
             self.adapter.ask_eager(self.runner, False)
 
     def _on_forward(self, module: Any, args: Any) -> None:
@@ -348,11 +357,51 @@ class WorkerRuntime:
         interleaver.__enter__()
         step.phase = Phase.FORWARD
         step.spans = spans
-        if self.lowering.replays:
+        if self.lowering.replays or step.at_taps:
             step.visits = dict(interleaver.counts)
         requests.scope(self.model, spans)
         if last:
             narrow(requests, spans, last)
+        if step.at_taps:
+            self._open_taps(step)
+
+    def _open_taps(self, step: Step) -> None:
+        """Have each tap that this step's blocks read hand its value to the
+        interleaver as the compiled forward passes it (``live.py``)."""
+        from ..taps import ops
+        from .live import AtTaps
+
+        tracked, replays = self.requests.requests, self.lowering.replays
+        sites: set[int] = set()
+        for request_id, count in step.spans:
+            request = tracked.get(request_id)
+            if request is None or not count:
+                continue
+            at = getattr(request.mediator, "at_taps", None)
+            if at is not None:
+                sites.update(at)
+            lowered = replays.get(request_id)
+            if lowered is not None and _waiting(request, lowered.edit):
+                sites.update(site for site, _ in lowered.regions)
+        step.live = AtTaps(self.tables, sites, self.model.interleaver, self.model.path, self.kernels)
+        ops.at_taps(step.live)
+        self.steps_at_taps += 1
+
+    def _close_taps(self, step: Step) -> None:
+        """The forward is over: no tap hands anything on until the next such step."""
+        live, step.live = step.live, None
+        if live is None:
+            return
+        from ..taps import ops
+
+        ops.at_taps(None)
+        self.taps_handed += live.handed
+        if live.failure is not None:  # the step's blocks at the taps end with it, no other
+            error = nns.capture_exception(live.failure)
+            for request_id, _ in step.spans:
+                request = self.requests.requests.get(request_id)
+                if request is not None and getattr(request.mediator, "at_taps", None) is not None:
+                    request.error = request.error or error
 
     def _on_logits(self, logits: Any) -> Any:
         """The logits the sampler is about to draw from; a tensor back replaces them."""
@@ -361,6 +410,7 @@ class WorkerRuntime:
             return None
         if self.kernels is not None:
             self.kernels.restore()  # the forward is over
+        self._close_taps(step)
         if step.phase is Phase.SCHEDULED:
             self._start_at_the_sampler(step)
         if step.phase is not Phase.FORWARD:
@@ -386,6 +436,7 @@ class WorkerRuntime:
         """Open the interleaver after a forward no block needed. A block served a tap
         here (``taps/replay.py``) starts here too: what it runs before its first
         read runs with the kernels it would get in a Python step's forward."""
+        step.at_taps = False  # the forward is over: no tap hands anything on now
         kernels = self.kernels if self.lowering.replays else None
         if kernels is not None:
             kernels.use()
@@ -590,6 +641,8 @@ class WorkerRuntime:
             "compiled_engine": not self.eager,
             "uncompiled_steps": self.python_steps,
             "taps_served_at_sampler": self.served_at_sampler,
+            "steps_at_taps": self.steps_at_taps,
+            "taps_handed_at_taps": self.taps_handed,
             "resumed": self.resumed,
             "preempted_blocks": self.preempted,
             "continued_blocks": self.continued,

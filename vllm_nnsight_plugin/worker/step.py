@@ -33,6 +33,11 @@ class Step:
     #: The forward runs as Python on a compiled engine (no CUDA graph, compiled
     #: module bypassed), because a block may run in it.
     python: bool = False
+    #: The forward runs compiled, without a CUDA graph, and its taps hand their
+    #: values to the blocks that read only taps (``live.py``).
+    at_taps: bool = False
+    #: Those hand-offs, while the forward runs.
+    live: Any = None
     phase: Phase = Phase.SCHEDULED
     #: Request id -> its row in the step's per-request tensors (logits, samples).
     rows: dict[str, int] = field(default_factory=dict)
