@@ -360,9 +360,14 @@ def compiled_no_fallback(smollm2_path, compiled):
 
 def test_without_the_fallback_a_module_location_is_refused_not_ignored(compiled_no_fallback, smol):
     model = VLLM(compiled_no_fallback)
-    with pytest.raises(Exception, match="CompiledForwardError"):
-        with model.trace(PROMPT, temperature=0.0):
-            model.model.layers[3].output[0].clone().save()  # no tap
+    with pytest.raises(Exception, match="CompiledForwardError") as raised:
+        with model.trace(PROMPT, temperature=0.0, max_tokens=8) as tracer:
+            for _ in tracer.iter[:8]:
+                model.model.layers[3].output[0].clone().save()  # no tap
+    # refused before it ran, naming what is no tap and how to have it tapped
+    assert "model.model.layers.3" in str(raised.value) and "nnsight_taps" in str(raised.value)
+    (stats,) = compiled_no_fallback.collective_rpc("nnsight_stats")
+    assert stats["tracked"] == 0
     # logits and samples are served outside the forward, compiled or not.
     with model.trace(PROMPT, temperature=0.0):
         logits = model.logits.save()

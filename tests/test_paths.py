@@ -172,3 +172,28 @@ def test_steering_several_layers_needs_each_a_tap_once_in_the_models_order():
     assert why(loop.format("(10, 13)"), v=v) == Unlowered(
         "not_a_tap", "it reads `model.model.layers.13`, which is not a tap on this engine"
     )
+
+
+def test_traced_outputs_are_counted_by_path_in_the_prometheus_registry():
+    from types import SimpleNamespace
+
+    from prometheus_client import REGISTRY
+
+    from vllm_nnsight_plugin.returns.metrics import count, path_label
+
+    def value(path, form=""):
+        return REGISTRY.get_sample_value("vllm_nnsight_requests_total", {"path": path, "form": form}) or 0.0
+
+    assert path_label(None) is None
+    assert path_label({"lowered": True, "form": "steer", "reason": None}) == ("lowered", "steer")
+    assert path_label({"lowered": False, "form": "taps", "reason": "x"}) == ("taps", "")
+    assert path_label({"lowered": False, "form": None, "reason": "x"}) == ("python", "")
+    before = value("taps"), value("lowered", "keep")
+    outputs = [
+        SimpleNamespace(nnsight_path={"lowered": False, "form": "taps", "reason": "x"}),
+        SimpleNamespace(nnsight_path={"lowered": True, "form": "keep", "reason": None}),
+        SimpleNamespace(nnsight_path=None),  # a plain request
+        SimpleNamespace(),
+    ]
+    count(outputs)
+    assert (value("taps"), value("lowered", "keep")) == (before[0] + 1, before[1] + 1)

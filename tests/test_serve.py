@@ -170,6 +170,10 @@ def test_served_trace_reads_like_the_offline_one(armed, client, smol):
     torch.testing.assert_close(logits, logits_offline, rtol=1e-4, atol=1e-4)
     assert list(out.outputs[0].token_ids) == list(out_offline.outputs[0].token_ids)
     assert out.outputs[0].text.startswith(" Paris")
+    # vLLM's own Prometheus metrics count it by its path
+    metrics = httpx.get(f"{armed.url}/metrics", timeout=30).text
+    counted = [line for line in metrics.splitlines() if line.startswith("vllm_nnsight_requests_total{")]
+    assert counted and sum(float(line.rsplit(" ", 1)[1]) for line in counted) >= 1, counted
 
 
 def test_a_client_without_vllm_traces_edits_and_errs_like_one_with_it(armed, client, smol, tmp_path):

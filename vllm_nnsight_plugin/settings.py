@@ -191,8 +191,8 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "VLLM_NNSIGHT_EAGER_STEPS", _flag, True, "flag",
-        "`0` keeps every step of a compiled engine compiled: blocks at module locations then fail "
-        "with `CompiledForwardError`",
+        "`0` keeps every step of a compiled engine compiled: a block at a module location no tap "
+        "serves is refused before it runs, with `CompiledForwardError`",
     ),
     Setting(
         "VLLM_NNSIGHT_TAP_KERNEL", _flag, None, "flag",

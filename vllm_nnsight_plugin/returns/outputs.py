@@ -114,9 +114,12 @@ def attach(output: Any, entry: dict) -> None:
 
 def attach_collected(outputs: list, replies: list) -> None:
     """Put what the workers returned on the finished outputs."""
+    from .metrics import count
+
     collected = merge_replies(replies)
     for output in outputs:
         attach(output, collected.get(output.request_id) or empty_entry())
+    count(outputs)
 
 
 def saves(output: Any) -> dict:

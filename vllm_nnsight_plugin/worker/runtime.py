@@ -222,6 +222,34 @@ class WorkerRuntime:
         for data in seams.new_requests(scheduler_output):
             if data.req_id in requests.requests and data.req_id not in self.stops.tokens:
                 self.stops.admit(data.req_id, data.sampling_params)
+                if not self.eager and not self.eager_steps:
+                    self._refuse_python_forward(requests.requests[data.req_id])
+
+    def _refuse_python_forward(self, request: Any) -> None:
+        """On a compiled engine whose operator turned Python forwards off, a block
+        that would need one ends now, before it runs, saying what it reads that is
+        no tap (the tables and the taps serve the rest)."""
+        from .errors import CompiledForwardError
+        from .refusals import end
+
+        if not any(
+            getattr(m, "needs_forward", True) and getattr(m, "at_taps", None) is None
+            for m in request.workers()
+        ):
+            return
+        path = self.lowering.paths.taken.get(request.id)
+        why = path.reason if path is not None and path.reason else "it reads a location that is not a tap"
+        end(
+            request,
+            nns.capture_exception(
+                CompiledForwardError(
+                    f"this engine runs no step's forward as Python ({_EAGER_STEPS_ENV}=0), and this "
+                    f"block would need one: {why}. Ask the operator to tap what it reads (the "
+                    'engine\'s `nnsight_taps` setting, e.g. "model.layers.*.output"), or run it on '
+                    f"an engine without {_EAGER_STEPS_ENV}=0."
+                )
+            ),
+        )
 
     def _lower_edited(self, request: Any, tables: Any, rows: int, most: int) -> None:
         """A traced request with installed edits: where one of its blocks (its own,
