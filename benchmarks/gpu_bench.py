@@ -453,9 +453,9 @@ def halve_if_large(model, batch, tokens, among_plain=None) -> list:
 
 
 def carry_between_taps(model, batch, tokens) -> None:
-    """A value carried from one tap to a later one in the same step (the tapped
-    layer's stream norm rescales the next layer's output): no table runs it."""
-    first, second = model.model.layers[LAYER], model.model.layers[LAYER + 1]
+    """A value carried from one tap to a later one in the same step (the stream
+    norm after the layer before the benchmark's rescales its output): no table runs it."""
+    first, second = model.model.layers[LAYER - 1], model.model.layers[LAYER]
     with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
         for ids in batch:
             with tracer.invoke(ids):
