@@ -232,9 +232,11 @@ class WorkerRuntime:
         from .errors import CompiledForwardError
         from .refusals import end
 
-        if not any(
-            getattr(m, "needs_forward", True) and getattr(m, "at_taps", None) is None
-            for m in request.workers()
+        mediator = request.mediator  # its own block: an installed edit's copy is the operator's
+        if (
+            mediator is None
+            or not getattr(mediator, "needs_forward", True)
+            or getattr(mediator, "at_taps", None) is not None
         ):
             return
         path = self.lowering.paths.taken.get(request.id)
@@ -349,7 +351,7 @@ class WorkerRuntime:
         if step.phase is Phase.SCHEDULED and step.forward:
             self._start(step)
 
-    def _start(self, step: Step) -> None:
+    def _start(self, step: Step, in_forward: bool = True) -> None:
         """Read the layout and open the interleaver for this step.
 
         Called by the root forward pre-hook, or by the sampler pre-hook when the
@@ -390,7 +392,7 @@ class WorkerRuntime:
         requests.scope(self.model, spans)
         if last:
             narrow(requests, spans, last)
-        if step.at_taps:
+        if step.at_taps and in_forward:  # (a forward that ran as a graph handed nothing)
             self._open_taps(step)
 
     def _open_taps(self, step: Step) -> None:
@@ -464,12 +466,11 @@ class WorkerRuntime:
         """Open the interleaver after a forward no block needed. A block served a tap
         here (``taps/replay.py``) starts here too: what it runs before its first
         read runs with the kernels it would get in a Python step's forward."""
-        step.at_taps = False  # the forward is over: no tap hands anything on now
         kernels = self.kernels if self.lowering.replays else None
         if kernels is not None:
             kernels.use()
         try:
-            self._start(step)
+            self._start(step, in_forward=False)
         finally:
             if kernels is not None:
                 kernels.restore()
