@@ -304,6 +304,7 @@ def test_replacements_and_edits_of_what_a_module_is_handed_land_at_the_taps(comp
     before = uncompiled_steps(compiled)
     out = replaced(model)
     assert out.nnsight_path["form"] == "taps", out.nnsight_path
+    assert "not a tap" not in out.nnsight_path["reason"]  # what it reads is served; its form is not run
     assert uncompiled_steps(compiled) == before
     want = replaced(model, whole_forward=True)
     assert want.nnsight_path["form"] is None

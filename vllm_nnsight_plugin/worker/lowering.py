@@ -238,6 +238,8 @@ class Lowering:
         steps' forwards stay compiled (``live.py``); on an eager one, as Python.
         Either way it is not lowered (False)."""
         if self.at_taps and not isinstance(request, _EditCopy):
+            if kind == "not_a_tap":  # every location it reads is served: the form is the reason
+                kind, reason = _WRITES
             request.mediator.at_taps = sites
             self.paths.at_taps(request.id, kind, reason)
         else:
