@@ -25,6 +25,13 @@ def uncompiled_steps(llm) -> int:
     return stats["uncompiled_steps"]
 
 
+def metric(name: str, **labels: str) -> float:
+    """A sample of the front end's Prometheus registry (this process: an offline engine's)."""
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
 def steps_at_taps(llm) -> int:
     (stats,) = llm.collective_rpc("nnsight_stats")
     return stats["steps_at_taps"]
@@ -234,11 +241,15 @@ def test_a_block_on_taps_runs_at_the_taps_and_every_step_stays_compiled(compiled
     torch.manual_seed(7)
     vector = torch.randn(576)  # large enough to move greedy tokens
     before, at_taps = uncompiled_steps(compiled), steps_at_taps(compiled)
+    counted = metric("vllm_nnsight_steps_total", forward="taps")
     reads, out = steer_if(model, vector)
     assert out.nnsight_path["form"] == "taps" and out.nnsight_path["lowered"] is False
     assert "`if`" in out.nnsight_path["reason"]
     assert uncompiled_steps(compiled) == before
     assert steps_at_taps(compiled) - at_taps == 4
+    # the front end's Prometheus counters, from the collect's reply
+    assert metric("vllm_nnsight_steps_total", forward="taps") - counted == 4
+    assert metric("vllm_nnsight_requests_total", path="taps", form="") >= 1
     assert [tuple(r.shape) for r in reads] == [(5, 576), (1, 576), (1, 576), (1, 576)]
     # The edit is the lowered steering loop's: the same compiled kernels, bit for bit.
     same_generation([out], [steer_lowered(model, vector)])

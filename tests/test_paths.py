@@ -197,3 +197,26 @@ def test_traced_outputs_are_counted_by_path_in_the_prometheus_registry():
     ]
     count(outputs)
     assert (value("taps"), value("lowered", "keep")) == (before[0] + 1, before[1] + 1)
+
+
+def test_each_workers_step_counts_add_only_what_it_did_since_its_last_reply():
+    import pickle
+
+    from prometheus_client import REGISTRY
+
+    from vllm_nnsight_plugin.returns.metrics import StepCounts
+    from vllm_nnsight_plugin.returns.outputs import merge_replies
+
+    def value(name, forward):
+        return REGISTRY.get_sample_value(name, {"forward": forward}) or 0.0
+
+    before = value("vllm_nnsight_steps_total", "taps"), value("vllm_nnsight_step_seconds_total", "python")
+    # two replies of one worker (a request's entry beside its counts), then another worker's
+    first = [pickle.dumps({"r": {"path": None}}), pickle.dumps(StepCounts(-7, 2, 0.5, 3, 0.25))]
+    assert set(merge_replies([first])) == {"r"}  # the counts are no request's
+    merge_replies(
+        [[pickle.dumps(StepCounts(-7, 2, 0.75, 5, 0.25))], [pickle.dumps(StepCounts(-8, 0, 0.0, 1, 0.1))]]
+    )
+    after = value("vllm_nnsight_steps_total", "taps"), value("vllm_nnsight_step_seconds_total", "python")
+    assert after[0] - before[0] == 3 + 2 + 1
+    assert abs(after[1] - before[1] - 0.75) < 1e-9

@@ -1,4 +1,5 @@
-"""Traced requests by the path their block took, in vLLM's own Prometheus metrics.
+"""Traced requests by the path their block took, and the steps they cost, in
+vLLM's own Prometheus metrics.
 
 Counted in the front end as each traced request's reply is put on its output
 (``outputs.attach_collected``), so ``vllm serve``'s ``/metrics`` shows them beside
@@ -8,32 +9,77 @@ multiprocess mode too): ``vllm_nnsight_requests_total{path, form}``, where
 compiled forward) or ``python`` (a Python forward, or the sampler alone), and
 ``form`` the lowered form (empty otherwise: the output carries the reason in
 words, and the worker's ``nnsight_stats`` counts them by kind).
+
+Each collect's reply also carries the answering worker's running counts of the
+steps whose forward ran as Python or at the taps, and the seconds those steps
+took (:class:`StepCounts`): ``vllm_nnsight_steps_total{forward}`` and
+``vllm_nnsight_step_seconds_total{forward}``, ``forward`` being ``python`` or
+``taps``. They move when traced requests finish, which is when such steps have
+run.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 NAME = "vllm_nnsight_requests"
-_COUNTER: list[Any] = []  # built on first use; [None] where prometheus_client is missing
+STEPS, SECONDS = "vllm_nnsight_steps", "vllm_nnsight_step_seconds"
+_BUILT: dict[str, Any] = {}  # name -> counter, built on first use (None: no prometheus_client)
+_HELP = {
+    NAME: (
+        "Traced requests by the path their block took: lowered onto the tap tables, "
+        "Python at the taps of a compiled forward, or Python.",
+        ["path", "form"],
+    ),
+    STEPS: ("Steps whose forward ran as Python, or at the taps, for traced requests.", ["forward"]),
+    SECONDS: ("Seconds of the steps vllm_nnsight_steps counts.", ["forward"]),
+}
 
 
-def _counter() -> Any:
-    if not _COUNTER:
+def _counter(name: str = NAME) -> Any:
+    if name not in _BUILT:
         try:
             from prometheus_client import Counter
         except ImportError:  # a client without vLLM's server dependencies
-            _COUNTER.append(None)
+            _BUILT[name] = None
         else:
-            _COUNTER.append(
-                Counter(
-                    NAME,
-                    "Traced requests by the path their block took: lowered onto the tap "
-                    "tables, Python at the taps of a compiled forward, or Python.",
-                    ["path", "form"],
-                )
-            )
-    return _COUNTER[0]
+            description, labels = _HELP[name]
+            _BUILT[name] = Counter(name, description, labels)
+    return _BUILT[name]
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """One worker's running counts (a part of its collect reply): the steps whose
+    forward ran as Python or at the taps, and their seconds. ``worker`` tells
+    workers apart (its process id), so each adds only what it did since its last."""
+
+    worker: int
+    python_steps: int
+    python_seconds: float
+    taps_steps: int
+    taps_seconds: float
+
+
+_LAST: dict[int, StepCounts] = {}
+
+
+def observe(counts: StepCounts) -> None:
+    """Add what a worker did since its last reply to the step counters."""
+    last = _LAST.get(counts.worker)
+    _LAST[counts.worker] = counts
+    steps, seconds = _counter(STEPS), _counter(SECONDS)
+    if steps is None or seconds is None:
+        return
+    for forward in ("python", "taps"):
+        now_steps, now_seconds = getattr(counts, f"{forward}_steps"), getattr(counts, f"{forward}_seconds")
+        before_steps = getattr(last, f"{forward}_steps") if last else 0
+        before_seconds = getattr(last, f"{forward}_seconds") if last else 0.0
+        if now_steps > before_steps:
+            steps.labels(forward=forward).inc(now_steps - before_steps)
+        if now_seconds > before_seconds:
+            seconds.labels(forward=forward).inc(now_seconds - before_seconds)
 
 
 def path_label(path: dict | None) -> tuple[str, str] | None:

@@ -46,17 +46,22 @@ def empty_entry() -> dict:
 
 def merge_replies(replies: list) -> dict:
     """Per request id, what the workers returned, over all ranks (each rank
-    answers a list of pickled parts: one ``{request_id: entry}`` per request, and
-    the collect's :class:`~.pool.Pool` of saved tensors, if any).
+    answers a list of pickled parts: one ``{request_id: entry}`` per request, the
+    collect's :class:`~.pool.Pool` of saved tensors, if any, and from the engine's
+    first rank its step counts, which go to the metrics: ``metrics.py``).
 
     Under tensor parallelism every rank ran the block and holds the same gathered
     values; the first rank's copy is kept.
     """
     import pickle
 
+    from .metrics import StepCounts, observe
     from .pool import Pool
 
     loaded = [pickle.loads(part) for reply in replies or () if reply is not None for part in reply]
+    for counts in [part for part in loaded if isinstance(part, StepCounts)]:
+        observe(counts)
+    loaded = [part for part in loaded if not isinstance(part, StepCounts)]
     pools = {part.id: part for part in loaded if isinstance(part, Pool)}
     try:
         return _merge(loaded, pools)

@@ -425,6 +425,7 @@ from .worker import (  # noqa: E402
     Runner,
     StepHooks,
     StepView,
+    answers_for_engine,
     engine_is_eager,
     eos_token_id,
     finished_ids,
@@ -470,6 +471,7 @@ INSTALLERS: dict[str, Callable[[], None]] = {
 }
 
 __all__ = [
+    "answers_for_engine",
     "COMPOSED_PREFIX",
     "ENGINE_CORE",
     "EXTENSION",

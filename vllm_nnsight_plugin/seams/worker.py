@@ -73,7 +73,9 @@ class StepView:
         self.prefill = np.asarray(prefill[:n], dtype=np.int64)
         counts = np.diff(self.bounds)
         self.discarded = (
-            self.computed + counts < self.prefill if discarded is None else np.asarray(discarded[:n], dtype=bool)
+            self.computed + counts < self.prefill
+            if discarded is None
+            else np.asarray(discarded[:n], dtype=bool)
         )
 
     @property
@@ -267,6 +269,14 @@ def reports_saves() -> bool:
     from vllm.distributed.parallel_state import get_pp_group
 
     return get_pp_group().rank == 0
+
+
+def answers_for_engine() -> bool:
+    """Whether this worker is the engine's first rank (tensor and pipeline), whose
+    counts stand for the engine's: every rank runs the same steps."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+    return get_pp_group().rank == 0 and get_tensor_model_parallel_rank() == 0
 
 
 def front_end_elsewhere() -> bool:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import time
 from typing import Any
 
 from .. import seams, settings
@@ -88,6 +89,7 @@ class WorkerRuntime:
         self.python_steps = 0
         self.served_at_sampler = 0  # taps served to blocks at the sampler (``taps/replay.py``)
         self.steps_at_taps = self.taps_handed = 0  # blocks run at the taps of a compiled forward
+        self.step_seconds = {PYTHON: 0.0, TAPS: 0.0}  # the time of those steps, and of Python ones
         self.resumed = self.preempted = 0  # requests resumed after a preemption; blocks it ended
         self.recomputing: set[str] = set()  # resumed requests whose blocks go on, until the recompute ends
         self.continued = 0  # blocks that went on through a recompute
@@ -170,6 +172,8 @@ class WorkerRuntime:
         at_taps = forward == TAPS and not self.eager
         python = not self.eager and self.eager_steps and forward == PYTHON
         self.step = Step(scheduler_output, python=python, forward=forward is not None, at_taps=at_taps)
+        if python or at_taps:
+            self.step.started = time.perf_counter()
         self.adapter.ask_eager(self.runner, python or at_taps)
 
     def _admit(self, scheduler_output: Any) -> None:
@@ -335,6 +339,9 @@ class WorkerRuntime:
     def _end_python(self, step: Step) -> None:
         if self.kernels is not None:
             self.kernels.restore()
+        if step.started is not None:
+            self.step_seconds[PYTHON if step.python else TAPS] += time.perf_counter() - step.started
+            step.started = None
         if step.python or step.at_taps:
             step.python = step.at_taps = False
             self.adapter.ask_eager(self.runner, False)
@@ -641,7 +648,21 @@ class WorkerRuntime:
         parts = [
             pack(rid, entries.get(rid), self.limits, miss, pooler, self.pack_watch) for rid in request_ids
         ]
-        return parts + pool_part(pooler)
+        return parts + pool_part(pooler) + self._counts_part()
+
+    def _counts_part(self) -> list[bytes]:
+        """This engine's step counts, from its first rank (``returns/metrics.py``)."""
+        import os
+
+        from ..returns.metrics import StepCounts
+
+        if not seams.answers_for_engine():
+            return []
+        seconds = self.step_seconds
+        counts = StepCounts(
+            os.getpid(), self.python_steps, seconds[PYTHON], self.steps_at_taps, seconds[TAPS]
+        )
+        return [pickle.dumps(counts)]
 
     def _compiled_miss(self) -> str:
         """Why a module location was never reached on this compiled engine (started
@@ -672,6 +693,10 @@ class WorkerRuntime:
             "taps_served_at_sampler": self.served_at_sampler,
             "steps_at_taps": self.steps_at_taps,
             "taps_handed_at_taps": self.taps_handed,
+            "step_seconds": {
+                "python": round(self.step_seconds[PYTHON], 6),
+                "taps": round(self.step_seconds[TAPS], 6),
+            },
             "resumed": self.resumed,
             "preempted_blocks": self.preempted,
             "continued_blocks": self.continued,

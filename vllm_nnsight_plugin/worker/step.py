@@ -38,6 +38,8 @@ class Step:
     at_taps: bool = False
     #: Those hand-offs, while the forward runs.
     live: Any = None
+    #: When a step whose forward runs as Python, or at the taps, began (for the metrics).
+    started: float | None = None
     phase: Phase = Phase.SCHEDULED
     #: Request id -> its row in the step's per-request tensors (logits, samples).
     rows: dict[str, int] = field(default_factory=dict)
