@@ -198,35 +198,33 @@ def test_a_block_sees_no_step_past_the_token_that_ends_its_request(tapped):
     assert drawn_until(model, tokens[i]) == tokens[: i + 1]
 
 
-def steer_if(model, vectors, whole_forward=False):
+def steer_if(model, vector, whole_forward=False):
     """A Python ``if`` on the activation: at the taps, or (``whole_forward``, a read
     of a module that is no tap beside it) a Python forward."""
-    with model.trace(temperature=0.0, max_tokens=8) as tracer:
-        for prompt, vector in zip(PROMPTS, vectors):
-            with tracer.invoke(prompt):
-                reads = list().save()
-                for _ in tracer.iter[:8]:
-                    if whole_forward:
-                        model.model.embed_tokens.output.clone()
-                    hidden = model.model.layers[10].output[0]
-                    if hidden.norm() > 0:
-                        hidden[:] += vector
-                    reads.append(model.model.layers[20].output[0].clone())
-                out = tracer.result.save()
+    with model.trace(PROMPTS[1], temperature=0.0, max_tokens=8) as tracer:
+        reads = list().save()
+        for _ in tracer.iter[:8]:
+            if whole_forward:
+                model.model.embed_tokens.output.clone()
+            hidden = model.model.layers[10].output[0]
+            if hidden.norm() > 0:
+                hidden[:] += vector
+            reads.append(model.model.layers[20].output[0].clone())
+        out = tracer.result.save()
     return reads, out
 
 
 def test_a_block_at_the_taps_matches_the_python_forward(tapped):
     model = VLLM(tapped)
     torch.manual_seed(4)
-    vectors = [(8.0 * torch.randn(576, device="cuda") / 24).to(torch.bfloat16) for _ in PROMPTS[:4]]
+    vector = (8.0 * torch.randn(576, device="cuda") / 24).to(torch.bfloat16)
     before = stats(tapped)
-    reads, out = steer_if(model, vectors)
+    reads, out = steer_if(model, vector)
     middle = stats(tapped)
     assert out.nnsight_path["form"] == "taps"
     assert middle["uncompiled_steps"] == before["uncompiled_steps"]
     assert middle["steps_at_taps"] - before["steps_at_taps"] >= 8
-    want_reads, want = steer_if(model, vectors, whole_forward=True)
+    want_reads, want = steer_if(model, vector, whole_forward=True)
     assert want.nnsight_path["form"] is None
     assert stats(tapped)["uncompiled_steps"] > middle["uncompiled_steps"]
     assert cosine(reads[0], want_reads[0]) >= 0.999  # the prompt's rows, first step
