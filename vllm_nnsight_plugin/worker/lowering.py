@@ -209,7 +209,7 @@ class Lowering:
                 while len(self.served) > _KNOWN_LIMIT:
                     self.served.popitem(last=False)
         if not isinstance(sites, tuple):
-            if isinstance(sites, Unlowered) and sites.kind == VIEW:
+            if isinstance(sites, Unlowered) and sites.kind == VIEW and not writes:
                 why = sites  # what it reads is all served: how it uses it is the reason
             self.paths.python(request.id, why.kind, why.reason)
             return False
