@@ -572,6 +572,8 @@ def test_what_could_see_a_buffer_the_next_layer_overwrites_is_not_served(smollm2
         "h = model.model.layers[10].output[0]\nn = h.norm()\nlate = model.model.layers[20].output[0].clone().save()",
         "x = sum(model.model.layers[20].output).save()\nt = model.logits.argmax(-1).save()",
         "x = model.model.norm(model.model.layers[10].output[0]).save()",
+        # a location's new value built of its own parts (a block that writes runs at the taps)
+        "model.model.layers[20].output = (model.model.layers[20].output[0] * 0.5, model.model.layers[20].output[1])",
     ]
     for source in served:
         assert isinstance(check(source), tuple), source
@@ -588,6 +590,8 @@ def test_what_could_see_a_buffer_the_next_layer_overwrites_is_not_served(smollm2
         "c = tracer.cache()\nx = model.model.layers[10].output[0].norm().save()",
         "i = 20\nx = model.model.layers[i].output[0].norm().save()",
         "for i in (10, 20):\n    x = model.model.layers[i].output[0].norm().save()",
+        # an earlier location's view in a later one's new value: stale on the Python path
+        "a = model.model.layers[10].output\nmodel.model.layers[20].output = (a[0], a[1])",
     ]
     for source in not_served:
         found = check(source)
