@@ -148,20 +148,12 @@ def resolve(
                 "forward, 'model.layers.*.self_attn.source.self_attn_0.output', or the "
                 "values its parent hands it, 'model.layers.*.self_attn.attn.inputs'."
             )
-        regex = re.escape(module).replace(r"\*", r"[^.]+")
-        matched = [name for name in names if re.fullmatch(regex, name)]
-        if not matched:
-            raise TapError(f"tap {pattern!r} names no module of this model. {_what_exists(names)}")
+        matched = _matched(pattern, module, names)
         if not source:
             chosen.update(matched)
             continue
-        if operations_of is None:
-            raise TapError(f"tap {pattern!r}: this engine cannot read its modules' forwards")
         for name in matched:
-            try:
-                known = operations_of(name)
-            except ValueError as error:
-                raise TapError(f"tap {pattern!r}: {error}") from None
+            known = _read(pattern, name, operations_of)
             if operation not in known:
                 raise TapError(
                     f"tap {pattern!r}: the forward of {name!r} has no operation {operation!r}. "
@@ -176,18 +168,27 @@ def _inputs(
     pattern: str, module: str, names: list[str], inputs_of: Callable[[str], int] | None, chosen: set[str]
 ) -> None:
     """The sites of an ``.inputs`` pattern: one per value each matched module is handed."""
+    for name in _matched(pattern, module, names):
+        chosen.update(f"{name}{INPUTS}{i}" for i in range(_read(pattern, name, inputs_of)))
+
+
+def _matched(pattern: str, module: str, names: list[str]) -> list[str]:
+    """The modules a pattern's path names (``*`` is one path segment); none is an error."""
     regex = re.escape(module).replace(r"\*", r"[^.]+")
     matched = [name for name in names if re.fullmatch(regex, name)]
     if not matched:
         raise TapError(f"tap {pattern!r} names no module of this model. {_what_exists(names)}")
-    if inputs_of is None:
+    return matched
+
+
+def _read(pattern: str, name: str, reader: Callable[[str], Any] | None) -> Any:
+    """What ``reader`` finds in a matched module's forward, its refusal as a TapError."""
+    if reader is None:
         raise TapError(f"tap {pattern!r}: this engine cannot read its modules' forwards")
-    for name in matched:
-        try:
-            count = inputs_of(name)
-        except ValueError as error:
-            raise TapError(f"tap {pattern!r}: {error}") from None
-        chosen.update(f"{name}{INPUTS}{i}" for i in range(count))
+    try:
+        return reader(name)
+    except ValueError as error:
+        raise TapError(f"tap {pattern!r}: {error}") from None
 
 
 #: Between a module's path and the place of a value it is handed, in a site's name.
