@@ -236,12 +236,7 @@ class WorkerRuntime:
         from .errors import CompiledForwardError
         from .refusals import end
 
-        mediator = request.mediator  # its own block: an installed edit's copy is the operator's
-        if (
-            mediator is None
-            or not getattr(mediator, "needs_forward", True)
-            or getattr(mediator, "at_taps", None) is not None
-        ):
+        if _forward_of(request.mediator) != PYTHON:  # its own block: an edit's copy is the operator's
             return
         path = self.lowering.paths.taken.get(request.id)
         why = path.reason if path is not None and path.reason else "it reads a location that is not a tap"
@@ -310,10 +305,10 @@ class WorkerRuntime:
             if request is None or request_id in ended:
                 continue
             for m in request.workers():
-                if (m.worker is None or m.alive or m.caches) and getattr(m, "needs_forward", True):
-                    if getattr(m, "at_taps", None) is None:
-                        return PYTHON
-                    found = TAPS
+                wanted = _forward_of(m) if m.worker is None or m.alive or m.caches else None
+                if wanted == PYTHON:
+                    return PYTHON
+                found = wanted or found
         return found
 
     def _all_lowered(self) -> bool:
@@ -731,6 +726,14 @@ def _rebuilt(
         if second is not None:
             second[start : start + count] = two
     return first, second
+
+
+def _forward_of(mediator: Any) -> str | None:
+    """What a block asks of its steps' forwards: ``PYTHON`` (any module location),
+    ``TAPS`` (only taps: ``live.py``), or None (nothing: lowered, or the sampler's)."""
+    if mediator is None or not getattr(mediator, "needs_forward", True):
+        return None
+    return PYTHON if getattr(mediator, "at_taps", None) is None else TAPS
 
 
 def _waiting(request: Any, edit: str | None = None) -> bool:
