@@ -144,6 +144,16 @@ def timed(fn) -> float:
 
 
 # ---------------------------------------------------------------- the blocks
+def rate(name: str, job: str, repeats: int, run, tokens: int | None = None) -> None:
+    """``repeats`` runs of ``run(batch)``, each on a fresh batch of ``CONCURRENT``
+    prompts generating ``tokens`` (``TOKENS``) each: a tokens-per-second result each."""
+    tokens = TOKENS if tokens is None else tokens
+    for _ in range(repeats):
+        batch = unique(CONCURRENT)
+        wall = timed(lambda batch=batch: run(batch))
+        result(engine=name, job=job, tok_s=round(CONCURRENT * tokens / wall, 1))
+
+
 def steer(model, batch, tokens, vector) -> None:
     layer = model.model.layers[LAYER]
     with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
@@ -237,10 +247,7 @@ def patch_jobs(model, llm, name: str, repeats: int, few: list) -> None:
     rows = clean_rows(model, few[0])
     (before,) = llm.collective_rpc("nnsight_stats")
     patch(model, few[:4], 4, rows)  # warm-up
-    for _ in range(repeats):
-        batch = unique(CONCURRENT)
-        wall = timed(lambda batch=batch: patch(model, batch, SHORT, rows))
-        result(engine=name, job="patch", tok_s=round(CONCURRENT * SHORT / wall, 1))
+    rate(name, "patch", repeats, lambda batch: patch(model, batch, SHORT, rows), tokens=SHORT)
     (after,) = llm.collective_rpc("nnsight_stats")
     result(
         engine=name,
@@ -586,24 +593,22 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
         return
     vector = unit_vector(path)
     steer(model, few[:4], 8, vector)  # warm-up: builds the worker's tree
-    for _ in range(repeats):  # a median, as for plain
-        batch = unique(CONCURRENT)
-        wall = timed(lambda batch=batch: steer(model, batch, TOKENS, vector))
-        result(engine=name, job="steer", tok_s=round(CONCURRENT * TOKENS / wall, 1))
+    rate(name, "steer", repeats, lambda batch: steer(model, batch, TOKENS, vector))  # a median, as for plain
     cpu_vector = vector.float().cpu()
-    for _ in range(repeats):
-        batch = unique(CONCURRENT)
-        wall = timed(lambda batch=batch: steer_as_the_docs_write_it(model, batch, TOKENS, cpu_vector))
-        result(engine=name, job="steer_docs", tok_s=round(CONCURRENT * TOKENS / wall, 1))
-    for _ in range(repeats):
-        batch = unique(CONCURRENT)
-        wall = timed(lambda batch=batch: steer_and_draw(model, batch, TOKENS, cpu_vector))
-        result(engine=name, job="steer_draws", tok_s=round(CONCURRENT * TOKENS / wall, 1))
+    rate(
+        name,
+        "steer_docs",
+        repeats,
+        lambda batch: steer_as_the_docs_write_it(model, batch, TOKENS, cpu_vector),
+    )
+    rate(name, "steer_draws", repeats, lambda batch: steer_and_draw(model, batch, TOKENS, cpu_vector))
     (before,) = llm.collective_rpc("nnsight_stats")
-    for _ in range(repeats):
-        batch = unique(CONCURRENT)
-        wall = timed(lambda batch=batch: steer_spelled_otherwise(model, batch, TOKENS, cpu_vector))
-        result(engine=name, job="steer_spelled", tok_s=round(CONCURRENT * TOKENS / wall, 1))
+    rate(
+        name,
+        "steer_spelled",
+        repeats,
+        lambda batch: steer_spelled_otherwise(model, batch, TOKENS, cpu_vector),
+    )
     (after,) = llm.collective_rpc("nnsight_stats")
     result(engine=name, job="steer_spelled_path", lowered=after["lowered"] - before["lowered"])
     if kind == "taps":
@@ -636,10 +641,7 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
         for job, change in (("remove", remove(u)), ("clamp", clamp(u, least=0.5))):
             (before,) = llm.collective_rpc("nnsight_stats")
             project(model, few[:4], 8, change)  # warm-up
-            for _ in range(repeats):
-                batch = unique(CONCURRENT)
-                wall = timed(lambda batch=batch, change=change: project(model, batch, TOKENS, change))
-                result(engine=name, job=job, tok_s=round(CONCURRENT * TOKENS / wall, 1))
+            rate(name, job, repeats, lambda batch, change=change: project(model, batch, TOKENS, change))
             (after,) = llm.collective_rpc("nnsight_stats")
             result(
                 engine=name,
@@ -649,10 +651,7 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
             )
         (before,) = llm.collective_rpc("nnsight_stats")
         ablate(model, few[:4], 8)  # warm-up
-        for _ in range(repeats):
-            batch = unique(CONCURRENT)
-            wall = timed(lambda batch=batch: ablate(model, batch, TOKENS))
-            result(engine=name, job="ablate", tok_s=round(CONCURRENT * TOKENS / wall, 1))
+        rate(name, "ablate", repeats, lambda batch: ablate(model, batch, TOKENS))
         (after,) = llm.collective_rpc("nnsight_stats")
         result(
             engine=name,
@@ -683,10 +682,7 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
             layers = layer_count(path)
             (before,) = llm.collective_rpc("nnsight_stats")
             probe_rows(model, few[:4], 8, layers)  # warm-up
-            for _ in range(repeats):
-                batch = unique(CONCURRENT)
-                wall = timed(lambda batch=batch: probe_rows(model, batch, TOKENS, layers))
-                result(engine=name, job="probe", tok_s=round(CONCURRENT * TOKENS / wall, 1))
+            rate(name, "probe", repeats, lambda batch: probe_rows(model, batch, TOKENS, layers))
             (after,) = llm.collective_rpc("nnsight_stats")
             result(
                 engine=name,
@@ -696,14 +692,8 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
             )
         lens_each_step(model, few[:4], 8)  # warm-up
         (before,) = llm.collective_rpc("nnsight_stats")
-        for _ in range(repeats):
-            batch = unique(CONCURRENT)
-            wall = timed(lambda batch=batch: lens_each_step(model, batch, TOKENS))
-            result(engine=name, job="lens_steps", tok_s=round(CONCURRENT * TOKENS / wall, 1))
-        for _ in range(repeats):
-            batch = unique(CONCURRENT)
-            wall = timed(lambda batch=batch: lens_among_plain(model, llm, batch, TOKENS))
-            result(engine=name, job="lens_among_plain", tok_s=round(CONCURRENT * TOKENS / wall, 1))
+        rate(name, "lens_steps", repeats, lambda batch: lens_each_step(model, batch, TOKENS))
+        rate(name, "lens_among_plain", repeats, lambda batch: lens_among_plain(model, llm, batch, TOKENS))
         (after,) = llm.collective_rpc("nnsight_stats")
         result(
             engine=name,
@@ -733,10 +723,9 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
     if kind == "taps" and every_layer_tapped():
         at_taps_jobs(model, llm, name, repeats, few, params)
     prompt_read(model, few[:4], 8)
-    for _ in range(repeats):  # a median, as for plain
-        batch = unique(CONCURRENT)
-        wall = timed(lambda batch=batch: prompt_read(model, batch, TOKENS))
-        result(engine=name, job="prompt_read", tok_s=round(CONCURRENT * TOKENS / wall, 1))
+    rate(
+        name, "prompt_read", repeats, lambda batch: prompt_read(model, batch, TOKENS)
+    )  # a median, as for plain
     n = MANY if kind in ("graphs", "taps") else CONCURRENT
     for _ in range(repeats):
         kept = []
@@ -773,10 +762,12 @@ def at_taps_jobs(model, llm, name: str, repeats: int, few: list, params) -> None
     carried between two taps)."""
     (before,) = llm.collective_rpc("nnsight_stats")
     halve_if_large(model, few[:4], 8)  # warm-up
-    for _ in range(repeats):
-        batch = unique(CONCURRENT)
-        wall = timed(lambda batch=batch: halve_if_large(model, batch, TOKENS, among_plain=llm))
-        result(engine=name, job="at_taps_among_plain", tok_s=round(CONCURRENT * TOKENS / wall, 1))
+    rate(
+        name,
+        "at_taps_among_plain",
+        repeats,
+        lambda batch: halve_if_large(model, batch, TOKENS, among_plain=llm),
+    )
     batch = unique(CONCURRENT)
     beside = halve_if_large(model, batch, TOKENS, among_plain=llm)
     alone = llm.generate([{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False)
@@ -789,15 +780,9 @@ def at_taps_jobs(model, llm, name: str, repeats: int, few: list, params) -> None
         ),
         of=len(batch) - 1,
     )
-    for _ in range(repeats):
-        batch = unique(CONCURRENT)
-        wall = timed(lambda batch=batch: halve_if_large(model, batch, TOKENS))
-        result(engine=name, job="at_taps_all", tok_s=round(CONCURRENT * TOKENS / wall, 1))
+    rate(name, "at_taps_all", repeats, lambda batch: halve_if_large(model, batch, TOKENS))
     carry_between_taps(model, few[:4], 8)  # warm-up
-    for _ in range(repeats):
-        batch = unique(CONCURRENT)
-        wall = timed(lambda batch=batch: carry_between_taps(model, batch, TOKENS))
-        result(engine=name, job="at_taps_carry", tok_s=round(CONCURRENT * TOKENS / wall, 1))
+    rate(name, "at_taps_carry", repeats, lambda batch: carry_between_taps(model, batch, TOKENS))
     (after,) = llm.collective_rpc("nnsight_stats")
     result(
         engine=name,
