@@ -790,6 +790,14 @@ def at_taps_jobs(model, llm, name: str, repeats: int, few: list, params) -> None
         at_taps=after.get("python_at_taps", 0) - before.get("python_at_taps", 0),
         steps_at_taps=after.get("steps_at_taps", 0) - before.get("steps_at_taps", 0),
         uncompiled_steps=after["uncompiled_steps"] - before["uncompiled_steps"],
+        split_at_taps=after.get("split_at_taps"),
+        graph_modes={
+            mode: count - before.get("graph_modes", {}).get(mode, 0)
+            for mode, count in after.get("graph_modes", {}).items()
+        },
+        step_seconds_at_taps=round(
+            after.get("step_seconds", {}).get("taps", 0) - before.get("step_seconds", {}).get("taps", 0), 3
+        ),
     )
 
 

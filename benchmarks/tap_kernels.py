@@ -69,7 +69,7 @@ def tensor_ops(ops, hidden, residual, table, bank, store):
 
 def kernel(ops, hidden, residual, table, bank, store):
     for site in range(SITES):
-        hidden = ops.tap_pair(hidden, residual, table, bank, how(), store, site)
+        hidden = ops.tapped_pair(hidden, residual, table, bank, how(), store, site)
     return hidden
 
 

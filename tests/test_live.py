@@ -41,6 +41,8 @@ class Interleaver:
         self.handed.append((location, value))
         if location.endswith("mlp.output"):
             return value * 2
+        if location.endswith("layers.10.output"):
+            value[0][:] += 1  # an edit in place
         return value
 
 
@@ -66,11 +68,16 @@ def test_each_tap_hands_its_locations_value_as_the_module_returns_it():
         "root.model.layers.12.mlp.output",
     ]
     values = [value for _, value in interleaver.handed]
-    assert values[0][0] is qkv and values[0][1] is None
-    assert values[1][1] == {} and all(a is b for a, b in zip(values[1][0], (q, k, v)))
-    assert values[2][0] is hidden and values[2][1] is residual
+    # the blocks get copies, which outlive the forward's buffers (a CUDA graph's)
+    assert torch.equal(values[0][0], qkv) and values[0][0] is not qkv and values[0][1] is None
+    assert values[1][1] == {} and all(torch.equal(a, b) and a is not b for a, b in zip(values[1][0], (q, k, v)))
+    assert values[2][0] is not hidden and values[2][1] is not residual
+    # what the blocks left in them goes back into the forward's own tensors
+    assert torch.equal(hidden, torch.full((2, 4), 2.0)) and torch.equal(residual, torch.zeros(2, 4))
     assert torch.equal(mlp, torch.full((2, 4), 6.0))  # the replacement, in the forward's own tensor
     assert live.handed == 4 and live.failure is None
+    hidden.fill_(7.0)  # the forward's buffer reused: a value a block kept is its own
+    assert torch.equal(values[2][0], torch.full((2, 4), 2.0))
 
 
 def test_a_tap_no_block_reads_hands_nothing_and_a_block_calling_a_tapped_module_is_not_reentered():

@@ -137,7 +137,7 @@ def check_a_value_of_another_width(width, dtype, device, launch) -> None:
 @pytest.mark.parametrize("width", [1536, 100])
 def test_the_tap_kernel_on_a_value_of_another_width_than_the_bank(dtype, width):
     def launch(hidden, table, bank, how, site, keeps, store):
-        return torch.ops.vllm_nnsight.tap(hidden, hidden, table, bank, how, store, site, keeps)
+        return ops.tapped(hidden, hidden, table, bank, how, store, site, keeps)
 
     check_a_value_of_another_width(width, dtype, "cuda", launch)
 
@@ -156,8 +156,8 @@ def test_the_tap_kernel_computes_what_the_tensor_operations_do(dtype, width):
 
             def launch(keeps, store, residual, hidden=hidden, site=site, edits=edits):
                 if keeps == 1:
-                    return torch.ops.vllm_nnsight.tap_pair(hidden, residual, table, bank, edits, store, site)
-                return torch.ops.vllm_nnsight.tap(hidden, residual, table, bank, edits, store, site, keeps)
+                    return ops.tapped_pair(hidden, residual, table, bank, edits, store, site)
+                return ops.tapped(hidden, residual, table, bank, edits, store, site, keeps)
 
             check_against_the_tensor_operations(hidden, residual, table, bank, edits, site, dtype, launch)
     # the tables do project some rows and patch some (at one site or another)

@@ -233,6 +233,11 @@ def test_a_block_at_the_taps_matches_the_lowered_edit_and_the_python_forward(tap
     assert out.nnsight_path["form"] == "taps"
     assert middle["uncompiled_steps"] == before["uncompiled_steps"]
     assert middle["steps_at_taps"] - before["steps_at_taps"] >= 8
+    # The graph is split at the taps, and those steps replayed the pieces' graphs
+    # (a batch of one decode row fits the smallest capture size).
+    assert middle["split_at_taps"] is True
+    pieces = middle["graph_modes"].get("PIECEWISE", 0) - before["graph_modes"].get("PIECEWISE", 0)
+    assert pieces >= 8, (before["graph_modes"], middle["graph_modes"])
     # The same edit lowered: the same compiled kernels (this step without a graph).
     _, alone = steer_if(model, vector, reads=False)
     lowered = steer_lowered_one(model, vector)

@@ -361,6 +361,50 @@ FACTS: tuple[Fact, ...] = (
     *_v2_facts(_V2, "GPUModelRunner", "vllm.v1.worker.gpu.input_batch", "v2"),
     *_v2_facts(_V2_CPU, "StandaloneCPUModelRunner", "vllm.v1.worker.cpu.input_batch", "v2-cpu"),
     Fact(_V2, "GPUModelRunner.execute_model", "need_eager=", "a step with a block runs without a CUDA graph", "v2"),
+    # A step at the taps replays the piece graphs between them (``split_graph_at``,
+    # ``Runner.ask_pieces``): vLLM splits the compiled graph at the operations it
+    # is told of, by name, and a batch that is not a uniform decode (V2) or rules
+    # out full graphs (V1) replays the pieces.
+    Fact(
+        "vllm.compilation.backends",
+        "VllmBackend.__call__",
+        "self.compilation_config.splitting_ops",
+        "blocks at the taps between piece graphs",
+    ),
+    Fact(
+        "vllm.compilation.partition_rules",
+        "should_split",
+        "_qualified_op_name in splitting_ops",
+        "blocks at the taps between piece graphs",
+    ),
+    Fact(
+        "vllm.v1.worker.gpu.cudagraph_utils",
+        "_is_compatible",
+        "desc.uniform_token_count is None",
+        "blocks at the taps between piece graphs",
+        "v2",
+    ),
+    Fact(
+        "vllm.v1.worker.gpu.dp_utils",
+        "dispatch_cg_and_sync_dp",
+        "uniform_token_count: int | None",
+        "blocks at the taps between piece graphs",
+        "v2",
+    ),
+    Fact(
+        _V1,
+        "GPUModelRunner._determine_batch_execution_and_padding",
+        "self.cudagraph_dispatcher.dispatch(",
+        "blocks at the taps between piece graphs",
+        "v1",
+    ),
+    Fact(
+        "vllm.v1.cudagraph_dispatcher",
+        "CudagraphDispatcher.dispatch",
+        "invalid_modes",
+        "blocks at the taps between piece graphs",
+        "v1",
+    ),
     Fact("vllm.forward_context", "ForwardContext", "skip_compiled", "Python steps on a compiled engine"),
     Fact(
         "vllm.compilation.decorators",
@@ -445,6 +489,7 @@ from .worker import (  # noqa: E402
     schedules_ahead,
     skip_compiled_forward,
     speculates,
+    split_graph_at,
     tap_table_sizes,
     tensor_parallel_gather,
     tokenizer_of,
@@ -526,6 +571,7 @@ __all__ = [
     "schedules_ahead",
     "skip_compiled_forward",
     "speculates",
+    "split_graph_at",
     "tap_table_sizes",
     "tensor_parallel_gather",
     "tokenizer_of",

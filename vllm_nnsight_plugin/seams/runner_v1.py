@@ -11,8 +11,9 @@ stays in its state and is resumed as a cached request
 
 Wrapped: ``GPUModelRunner.execute_model`` (the step),
 ``GPUModelRunner._determine_batch_execution_and_padding`` (no CUDA graph for a
-step with a Python block, ``force_eager``; the layout is known there, so the
-tap tables fill there), and ``load_model`` of the GPU runner and of the CPU
+step with a Python block, ``force_eager``; piece graphs only for a step whose
+blocks run at the taps, its dispatcher's ``invalid_modes``; the layout is known
+there, so the tap tables fill there), and ``load_model`` of the GPU runner and of the CPU
 runner, which does not call it.
 """
 
@@ -22,11 +23,46 @@ from collections.abc import Callable
 from typing import Any
 
 from . import _wrap
-from .worker import UNCOMPILED_STEP, Runner, StepHooks, StepView, count_graph_mode, loading, present
+from .worker import (
+    PIECEWISE_STEP,
+    UNCOMPILED_STEP,
+    Runner,
+    StepHooks,
+    StepView,
+    count_graph_mode,
+    loading,
+    present,
+)
 
 MODULE = "vllm.v1.worker.gpu_model_runner"
 CPU_MODULE = "vllm.v1.worker.cpu_model_runner"
 
+
+
+def _in_pieces(runner: Any, original: Callable, args: tuple, kwargs: dict) -> Any:
+    """The runner's dispatch with graphs of the whole forward ruled out (its
+    dispatcher's ``invalid_modes``), or None where that still gave one, or ranks
+    must agree on it (data parallel)."""
+    dispatcher = getattr(runner, "cudagraph_dispatcher", None)
+    if dispatcher is None or runner.vllm_config.parallel_config.data_parallel_size > 1:
+        return None
+    from vllm.config.compilation import CUDAGraphMode
+
+    dispatch, own = dispatcher.dispatch, dispatcher.__dict__.get("dispatch")
+
+    def without_full(*a: Any, **k: Any) -> Any:
+        k["invalid_modes"] = set(k.get("invalid_modes") or ()) | {CUDAGraphMode.FULL}
+        return dispatch(*a, **k)
+
+    dispatcher.dispatch = without_full  # for this call only
+    try:
+        result = original(runner, *args, **kwargs)
+    finally:
+        if own is None:
+            del dispatcher.dispatch
+        else:
+            dispatcher.dispatch = own
+    return result if result[0] in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE) else None
 
 
 class V1Runner(Runner):
@@ -51,9 +87,15 @@ class V1Runner(Runner):
 
         def make_dispatch(original: Callable) -> Callable:
             def determine(self: Any, *args: Any, **kwargs: Any) -> Any:
+                result = None
                 if self.__dict__.get(UNCOMPILED_STEP):
                     kwargs["force_eager"] = True  # no CUDA graph for this step's batch
-                result = original(self, *args, **kwargs)
+                elif self.__dict__.get(PIECEWISE_STEP):
+                    result = _in_pieces(self, original, args, kwargs)
+                    if result is None:
+                        kwargs["force_eager"] = True
+                if result is None:
+                    result = original(self, *args, **kwargs)
                 count_graph_mode(self, result[0])
                 hooks.on_layout(self)
                 return result

@@ -21,17 +21,28 @@ Wrapped: ``execute_model`` (the step; a warm-up or profile run passes
 ``load_model``, of the GPU runner and of the standalone CPU runner; and, where
 the GPU runner's ``execute_model`` calls it by name,
 ``dispatch_cg_and_sync_dp`` (no CUDA graph for a step with a Python block:
-``need_eager``).
+``need_eager``; piece graphs only for a step whose blocks run at the taps: the
+batch dispatched as one that is not a uniform decode).
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 from . import _wrap
-from .worker import UNCOMPILED_STEP, Runner, StepHooks, StepView, count_graph_mode, loading, present
+from .worker import (
+    PIECEWISE_STEP,
+    UNCOMPILED_STEP,
+    Runner,
+    StepHooks,
+    StepView,
+    count_graph_mode,
+    loading,
+    present,
+)
 
 MODULE = "vllm.v1.worker.gpu.model_runner"
 STANDALONE_MODULE = "vllm.v1.worker.cpu.standalone_model_runner"
@@ -154,16 +165,39 @@ def _laid_out(hooks: StepHooks) -> Callable[[Callable], Callable]:
 
 
 def _dispatching(original: Callable) -> Callable:
+    signature = inspect.signature(original)
+
     def dispatch_cg_and_sync_dp(*args: Any, **kwargs: Any) -> Any:
         runner = _RUNNING[-1] if _RUNNING else None
+        result = None
         if runner is not None and runner.__dict__.get(UNCOMPILED_STEP):
             kwargs["need_eager"] = True  # no CUDA graph for this step's batch
-        result = original(*args, **kwargs)
+        elif runner is not None and runner.__dict__.get(PIECEWISE_STEP):
+            result = _in_pieces(original, signature, args, kwargs)
+            if result is None:
+                kwargs["need_eager"] = True
+        if result is None:
+            result = original(*args, **kwargs)
         if runner is not None:
             count_graph_mode(runner, getattr(result[0], "cg_mode", None))
         return result
 
     return dispatch_cg_and_sync_dp
+
+
+def _in_pieces(original: Callable, signature: inspect.Signature, args: tuple, kwargs: dict) -> Any:
+    """The dispatch of a batch that is not a uniform decode (only piece graphs
+    serve those), or None where that gave a graph of the whole forward (an engine
+    whose mixed batches replay one graph) or ranks must agree on it (data parallel)."""
+    bound = signature.bind(*args, **kwargs)
+    if bound.arguments.get("dp_size", 1) != 1:
+        return None
+    bound.arguments["uniform_token_count"] = None
+    if "max_query_len" in signature.parameters:  # 0.34: graphs for short queries
+        bound.arguments["max_query_len"] = None
+    result = original(*bound.args, **bound.kwargs)
+    mode = getattr(getattr(result[0], "cg_mode", None), "name", None)
+    return result if mode in ("PIECEWISE", "NONE") else None
 
 
 

@@ -17,7 +17,8 @@ Everything the worker needs from a runner is one small interface,
   :meth:`Runner.rows`);
 - the logits the sampler draws from and the tokens it drew
   (:meth:`Runner.hook_sampler`);
-- asking for the next forward without CUDA graphs (:meth:`Runner.ask_eager`);
+- asking for the next forward without CUDA graphs (:meth:`Runner.ask_eager`),
+  or as the graphs of the pieces between the taps (:meth:`Runner.ask_pieces`);
 - where the tap tables are filled (the ``on_layout`` hook) and where the model
   is loaded (``on_loaded``, before vLLM compiles it or captures a graph);
 - the requests a step resumes after a preemption (:meth:`Runner.resumed`).
@@ -131,6 +132,14 @@ class Runner:
         """Run (or stop running) this runner's next forward without CUDA graphs."""
         runner.__dict__[UNCOMPILED_STEP] = eager
 
+    def ask_pieces(self, runner: Any, pieces: bool) -> None:
+        """Run (or stop running) this runner's next forward as the CUDA graphs of the
+        pieces between the compiled graph's splitting operations, never as one graph
+        of the whole forward: the operations (the taps, where :func:`split_graph_at`
+        added them) then run as Python. Where vLLM has no piece graphs for the
+        batch, the forward runs compiled without a graph."""
+        runner.__dict__[PIECEWISE_STEP] = pieces
+
     def resumed(self, scheduler_output: Any, tracked: Any) -> set[str]:
         """The requests this step resumes after a preemption (``tracked``: the
         request ids whose blocks the worker holds); vLLM recomputes their prompt
@@ -140,6 +149,8 @@ class Runner:
 
 #: Set on a runner for a step whose forward must run as plain Python.
 UNCOMPILED_STEP = "_nnsight_uncompiled_step"
+#: Set on a runner for a step whose forward may replay piece graphs only (:meth:`Runner.ask_pieces`).
+PIECEWISE_STEP = "_nnsight_piecewise_step"
 #: On a runner: how many forwards vLLM dispatched in each CUDA-graph mode.
 GRAPH_MODES = "_nnsight_graph_modes"
 _ADAPTER = "_nnsight_runner"
@@ -201,6 +212,37 @@ def count_graph_mode(runner: Any, mode: Any) -> None:
 
 def graph_mode_counts(runner: Any) -> dict[str, int]:
     return dict(runner.__dict__.get(GRAPH_MODES, {}))
+
+
+def split_graph_at(vllm_config: Any, names: Iterable[str]) -> bool:
+    """Have vLLM split the model's compiled graph at the operations ``names`` too,
+    as it does at attention, where it splits the graph and replays the pieces
+    between as CUDA graphs; whether it will (call before the model is compiled).
+
+    Not where the whole forward is one graph (an eager engine, another compile
+    mode, no splitting operations: full graphs only, sequence parallelism) or
+    Inductor splits it (``use_inductor_graph_partition``). The operations join
+    the configuration vLLM keys its compile cache by, so graphs split otherwise
+    are not reused. A decode step replayed as one graph of the whole forward
+    records the operations' kernels as before.
+    """
+    if vllm_config.model_config.enforce_eager:
+        return False
+    from vllm.config.compilation import CompilationMode
+
+    compilation = vllm_config.compilation_config
+    mode = compilation.cudagraph_mode
+    splitting = compilation.splitting_ops
+    if (
+        compilation.mode != CompilationMode.VLLM_COMPILE
+        or not splitting
+        or getattr(compilation, "use_inductor_graph_partition", False)
+        or mode is None
+        or not mode.has_piecewise_cudagraphs()
+    ):
+        return False
+    splitting.extend(name for name in names if name not in splitting)
+    return True
 
 
 def runner_name(runner: Any) -> str:

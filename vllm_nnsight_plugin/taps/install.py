@@ -112,6 +112,8 @@ class TapTables:
         self.table = self._table = table  # the tap operation reads the three tables as one
         #: each tap runs as ``ops.tap`` (one kernel on CUDA) rather than ``steer`` and ``keep``
         self.one_op = one_op
+        #: the compiled graph is split at each tap (``seams.split_graph_at``; set at install)
+        self.split = False
         self.slots, self.codes, self.dest = (table[:, part].t() for part in range(3))
         ops.forget_seen(self.slots, self.codes)
         # One row of the bank per steering request (its entries at several sites
@@ -474,6 +476,7 @@ class TapTables:
         return {
             "taps": list(self.sites),
             "tap_operation": "one" if self.one_op else "steer and keep",
+            "split_at_taps": self.split,
             "lowered_now": len(self.requests),
             "kept_rows": self.kept_rows,
             "kept_free_rows": self.regions.free_rows(),
@@ -533,7 +536,15 @@ def install(runner: Any, model: Any) -> TapTables | None:
     tables.reached = _first_calls(model, [*tables.handed, *tables.inputs, *(sites[i] for i in outputs)])
     for path in dict.fromkeys([*by_module, *handed_to]):  # in model order
         _tap(model.get_submodule(path), by_module.get(path, {}), tables, tables.inputs.get(path, ()))
-    logger.info("vllm-nnsight: taps on %d site(s): %s", len(sites), ", ".join(sites))
+    # On a compiled engine whose graph vLLM splits (at attention), split it at each
+    # tap too, so blocks at the taps run between graph replays (``worker/live.py``).
+    tables.split = tables.one_op and seams.split_graph_at(runner.vllm_config, ops.SPLITTING)
+    logger.info(
+        "vllm-nnsight: taps on %d site(s)%s: %s",
+        len(sites),
+        ", the compiled graph split at each" if tables.split else "",
+        ", ".join(sites),
+    )
     return tables
 
 
@@ -645,15 +656,9 @@ def _apply(tables: TapTables, site: int, out: Any) -> Any:
     # (value, None): a linear layer's output without its bias, kept as one tensor
     first = isinstance(out, tuple) and len(out) == 2 and out[1] is None
     if tables.one_op:
-        tap, table, bank, how, store = (
-            torch.ops.vllm_nnsight.tap,
-            tables.table,
-            tables.bank,
-            tables.how,
-            tables.store,
-        )
+        tap, table, bank, how, store = ops.tapped, tables.table, tables.bank, tables.how, tables.store
         if paired:  # the residual is patched in place (``out[1]`` is the same tensor after)
-            return (torch.ops.vllm_nnsight.tap_pair(out[0], out[1], table, bank, how, store, site), *out[1:])
+            return (ops.tapped_pair(out[0], out[1], table, bank, how, store, site), *out[1:])
         if isinstance(out, tuple):
             keeps = ops.FIRST if first else 0
             return (tap(out[0], out[0], table, bank, how, store, site, keeps), *out[1:])

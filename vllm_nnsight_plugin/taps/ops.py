@@ -41,8 +41,11 @@ keeps both outputs, ``first`` at ``dest`` and ``second`` in the row after it
 (a ``tracer.cache`` of the tap: its whole output, every step).
 
 A tap runs both as one operation, ``torch.ops.vllm_nnsight.tap(hidden, second,
-table, bank, how, store, site, keeps)`` (``table`` is the ``[row, part, site]``
-tensor the three tables are views of; ``keeps`` 0: steer only, 1: keep with
+out, table, bank, how, store, site, keeps)``, which writes the new value into
+``out`` (:func:`tapped` allocates it just before, so on a compiled engine whose
+graph is split at the taps the piece before the tap owns that buffer and the
+piece after reads it where it was captured; :data:`SPLITTING`). ``table`` is the
+``[row, part, site]`` tensor the three tables are views of; ``keeps`` 0: steer only, 1: keep with
 ``second``, 2: keep with the steered value as the second, a tap whose value is
 one tensor, 3: the same for the first of a pair whose second is ``None``, a
 linear layer's ``(output, bias)``; ``keep``'s ``passed`` notes that one the
@@ -382,8 +385,48 @@ def _(
     return None
 
 
-@torch.library.custom_op(f"{NAMESPACE}::tap", mutates_args=("store",))
+@torch.library.custom_op(f"{NAMESPACE}::tap", mutates_args=("out", "store"))
 def tap(
+    hidden: torch.Tensor,
+    second: torch.Tensor,
+    out: torch.Tensor,
+    table: torch.Tensor,
+    bank: torch.Tensor,
+    how: torch.Tensor,
+    store: torch.Tensor,
+    site: int,
+    keeps: int,
+) -> None:
+    """``steer`` then (where ``keeps``) ``keep`` at one tap, in one pass on CUDA,
+    the new value written into ``out`` (:func:`tapped` allocates it)."""
+    _tapped(hidden, second, out, table, bank, how, store, site, keeps, pair=False)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::tap_pair", mutates_args=("second", "out", "store"))
+def tap_pair(
+    hidden: torch.Tensor,
+    second: torch.Tensor,
+    out: torch.Tensor,
+    table: torch.Tensor,
+    bank: torch.Tensor,
+    how: torch.Tensor,
+    store: torch.Tensor,
+    site: int,
+) -> None:
+    """``tap`` on a (hidden, residual) pair, keeping with the residual; a patch also
+    sets the residual's rows, in place."""
+    _tapped(hidden, second, out, table, bank, how, store, site, 1, pair=True)
+
+
+#: The operations a compiled engine's graph may be split at, so that on a step whose
+#: blocks run at the taps each runs outside the CUDA graphs of the pieces between
+#: them (``seams.split_graph_at``). They write into a buffer the piece before
+#: them allocated, which the piece after them reads at the address it was
+#: captured with: a tensor they returned would be a new one every step.
+SPLITTING = (f"{NAMESPACE}::tap", f"{NAMESPACE}::tap_pair")
+
+
+def tapped(
     hidden: torch.Tensor,
     second: torch.Tensor,
     table: torch.Tensor,
@@ -393,12 +436,13 @@ def tap(
     site: int,
     keeps: int,
 ) -> torch.Tensor:
-    """``steer`` then (where ``keeps``) ``keep`` at one tap, in one pass on CUDA."""
-    return _tapped(hidden, second, table, bank, how, store, site, keeps, pair=False)
+    """The tap's new value (``tap`` into a tensor allocated here, in the caller's graph)."""
+    out = torch.empty_like(hidden)
+    torch.ops.vllm_nnsight.tap(hidden, second, out, table, bank, how, store, site, keeps)
+    return out
 
 
-@torch.library.custom_op(f"{NAMESPACE}::tap_pair", mutates_args=("second", "store"))
-def tap_pair(
+def tapped_pair(
     hidden: torch.Tensor,
     second: torch.Tensor,
     table: torch.Tensor,
@@ -407,14 +451,16 @@ def tap_pair(
     store: torch.Tensor,
     site: int,
 ) -> torch.Tensor:
-    """``tap`` on a (hidden, residual) pair, keeping with the residual; a patch also
-    sets the residual's rows, in place."""
-    return _tapped(hidden, second, table, bank, how, store, site, 1, pair=True)
+    """The same for a (hidden, residual) pair (``tap_pair``; the residual is edited in place)."""
+    out = torch.empty_like(hidden)
+    torch.ops.vllm_nnsight.tap_pair(hidden, second, out, table, bank, how, store, site)
+    return out
 
 
 def _tapped(
     hidden: torch.Tensor,
     second: torch.Tensor,
+    out: torch.Tensor,
     table: torch.Tensor,
     bank: torch.Tensor,
     how: torch.Tensor,
@@ -422,7 +468,7 @@ def _tapped(
     site: int,
     keeps: int,
     pair: bool,
-) -> torch.Tensor:
+) -> None:
     slots, codes, dest = (table[:, part].t() for part in range(3))
     _PASSED[codes.data_ptr(), site] = keeps  # 0: a tuple without a second tensor
     keeps = ONE if keeps == FIRST else keeps  # the first of (value, None) is kept as one tensor
@@ -433,18 +479,19 @@ def _tapped(
         and second.shape == hidden.shape
         and hidden.is_contiguous()
         and second.is_contiguous()
+        and out.is_contiguous()
         and store.dtype == hidden.dtype
         and table.is_contiguous()
         and how.is_contiguous()
     )
     if kernel is None or not fits:
-        out = _steered(hidden, second, slots, bank, how, site, pair)
+        out.copy_(_steered(hidden, second, slots, bank, how, site, pair))
         if keeps:
             keep(out, out if keeps == 2 else second, codes, dest, store, site)
-        return _at_the_tap(site, out, second if pair else None)
-    _SEEN[slots.data_ptr(), site] = (tuple(hidden.shape), hidden.dtype)
-    out = launch(kernel, hidden, second, table, bank, how, store, site, keeps, pair)
-    return _at_the_tap(site, out, second if pair else None)
+    else:
+        _SEEN[slots.data_ptr(), site] = (tuple(hidden.shape), hidden.dtype)
+        launch(kernel, hidden, second, table, bank, how, store, site, keeps, pair, out=out)
+    _at_the_tap(site, out, second if pair else None)
 
 
 def launch(
@@ -458,10 +505,11 @@ def launch(
     site: int,
     keeps: int,
     pair: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One program a row of ``hidden``; the new value (``store``, and for a pair the
-    residual's patched rows, are written in place)."""
-    out = torch.empty_like(hidden)
+    """One program a row of ``hidden``; the new value, into ``out`` where given
+    (``store``, and for a pair the residual's patched rows, are written in place)."""
+    out = torch.empty_like(hidden) if out is None else out
     rows, width = hidden.shape
     if rows:
         block = min(1024, 1 << (width - 1).bit_length())
@@ -477,27 +525,29 @@ def launch(
 def _(
     hidden: torch.Tensor,
     second: torch.Tensor,
+    out: torch.Tensor,
     table: torch.Tensor,
     bank: torch.Tensor,
     how: torch.Tensor,
     store: torch.Tensor,
     site: int,
-) -> torch.Tensor:
-    return torch.empty_like(hidden)
+) -> None:
+    return None
 
 
 @tap.register_fake
 def _(
     hidden: torch.Tensor,
     second: torch.Tensor,
+    out: torch.Tensor,
     table: torch.Tensor,
     bank: torch.Tensor,
     how: torch.Tensor,
     store: torch.Tensor,
     site: int,
     keeps: int,
-) -> torch.Tensor:
-    return torch.empty_like(hidden)
+) -> None:
+    return None
 
 
 def _kernel() -> Any:

@@ -66,7 +66,13 @@ class AtTaps:
         try:
             for location, kind, inputs in wanted:
                 value = _value(kind, location, out, second, [self.values.get(i) for i in inputs])
-                _write_back(value, self.interleaver.handle(location, value))
+                # The blocks get copies: a value a block saves must outlive the
+                # step, and where the taps split the graph the forward's buffers
+                # are a CUDA graph's, which its next replay overwrites. What the
+                # blocks leave in them goes back into the forward's buffers.
+                handed = _copied(value)
+                _write_back(handed, self.interleaver.handle(location, handed))
+                _put_back(value, handed)
                 self.handed += 1
         except Exception as error:  # noqa: BLE001 - the step's blocks fail, never the forward
             logger.exception("vllm-nnsight: a hand-off at a tap failed")
@@ -86,6 +92,29 @@ def _value(kind: str, location: str, out: torch.Tensor, second: Any, handed: lis
     if kind == HANDED:
         return (tuple(handed), {})
     return ((out,), {}) if location.endswith(".input") else out
+
+
+def _copied(value: Any) -> Any:
+    """``value`` with each tensor in it cloned (the tuples, lists and dicts rebuilt)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_copied(part) for part in value)
+    if isinstance(value, dict):
+        return {key: _copied(part) for key, part in value.items()}
+    return value
+
+
+def _put_back(value: Any, handed: Any) -> None:
+    """Copy each tensor of ``handed`` into the tensor of ``value`` it was cloned from."""
+    if isinstance(value, torch.Tensor):
+        value.copy_(handed)
+    elif isinstance(value, (tuple, list)):
+        for a, b in zip(value, handed):
+            _put_back(a, b)
+    elif isinstance(value, dict):
+        for key in value:
+            _put_back(value[key], handed[key])
 
 
 def _write_back(given: Any, returned: Any) -> None:

@@ -174,7 +174,11 @@ class WorkerRuntime:
         self.step = Step(scheduler_output, python=python, forward=forward is not None, at_taps=at_taps)
         if python or at_taps:
             self.step.started = time.perf_counter()
-        self.adapter.ask_eager(self.runner, python or at_taps)
+        # Where the compiled graph is split at the taps, a step at the taps replays
+        # the graphs of the pieces between them; elsewhere it runs without graphs.
+        pieces = at_taps and self.tables is not None and self.tables.split
+        self.adapter.ask_eager(self.runner, python or (at_taps and not pieces))
+        self.adapter.ask_pieces(self.runner, pieces)
 
     def _admit(self, scheduler_output: Any) -> None:
         """Open the envelopes of this step's new requests and give them their copies of
@@ -340,6 +344,7 @@ class WorkerRuntime:
         if step.python or step.at_taps:
             step.python = step.at_taps = False
             self.adapter.ask_eager(self.runner, False)
+            self.adapter.ask_pieces(self.runner, False)
 
     def _on_forward(self, module: Any, args: Any) -> None:
         step = self.step
