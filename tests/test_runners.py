@@ -198,3 +198,116 @@ def test_v2_wraps_skip_warm_up_runs_ask_for_eager_steps_and_keep_the_step_batch(
     with pytest.raises(RuntimeError, match="boom"):
         execute(runner, "step-3")
     assert seen[-1] == ("failed",) and runner_v2._RUNNING == []
+
+
+def _v2_dispatch(modes: dict):
+    """``dispatch_cg_and_sync_dp`` with vLLM's parameters, answering by whether the
+    batch is a uniform decode: ``modes[True]`` or ``modes[False]``."""
+    calls = []
+
+    def dispatch_cg_and_sync_dp(
+        cudagraph_manager, num_reqs, num_tokens, uniform_token_count, dp_size, dp_rank, need_eager=False, **rest
+    ):
+        calls.append((uniform_token_count, need_eager))
+        mode = "NONE" if need_eager else modes[uniform_token_count is not None]
+        return (SimpleNamespace(cg_mode=SimpleNamespace(name=mode)), None)
+
+    return dispatch_cg_and_sync_dp, calls
+
+
+def test_v2_a_step_at_the_taps_is_dispatched_to_the_piece_graphs_never_one_of_the_whole_forward():
+    from vllm_nnsight_plugin.seams.worker import PIECEWISE_STEP
+
+    runner = SimpleNamespace()
+    original, calls = _v2_dispatch({True: "FULL", False: "PIECEWISE"})
+    wrapped = runner_v2._dispatching(original)
+    runner_v2._RUNNING.append(runner)
+    try:
+        V2Runner().ask_pieces(runner, True)
+        assert runner.__dict__[PIECEWISE_STEP] is True
+        desc, _ = wrapped("manager", 64, 64, 1, 1, 0, need_eager=False)  # a uniform decode of 64
+        assert desc.cg_mode.name == "PIECEWISE" and calls[-1] == (None, False)
+        # an engine whose mixed batches replay one graph too: no graph at all, never that one
+        original, calls = _v2_dispatch({True: "FULL", False: "FULL"})
+        desc, _ = runner_v2._dispatching(original)("manager", 64, 64, 1, 1, 0)
+        assert desc.cg_mode.name == "NONE" and calls == [(None, False), (1, True)]
+        # data parallel: the ranks agree on a mode, so no graph for this step
+        original, calls = _v2_dispatch({True: "FULL", False: "PIECEWISE"})
+        desc, _ = runner_v2._dispatching(original)("manager", 64, 64, 1, 2, 0)
+        assert desc.cg_mode.name == "NONE" and calls == [(1, True)]
+        V2Runner().ask_pieces(runner, False)
+        original, calls = _v2_dispatch({True: "FULL", False: "PIECEWISE"})
+        desc, _ = runner_v2._dispatching(original)("manager", 64, 64, 1, 1, 0)
+        assert desc.cg_mode.name == "FULL" and calls == [(1, False)]
+    finally:
+        runner_v2._RUNNING.pop()
+
+
+def test_v1_a_step_at_the_taps_rules_out_graphs_of_the_whole_forward_for_that_call_only():
+    from vllm.config.compilation import CUDAGraphMode
+
+    from vllm_nnsight_plugin.seams import runner_v1
+    from vllm_nnsight_plugin.seams.worker import PIECEWISE_STEP
+
+    class Dispatcher:
+        def dispatch(self, num_tokens, uniform_decode=False, valid_modes=None, invalid_modes=None):
+            allowed = set(valid_modes or (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL))
+            allowed -= set(invalid_modes or ())
+            for mode in (CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE):
+                if mode in allowed and (mode is not CUDAGraphMode.FULL or uniform_decode):
+                    return mode, num_tokens
+            raise AssertionError("no mode")
+
+    def determine(self, num_tokens, force_eager=False):
+        valid = {CUDAGraphMode.NONE} if force_eager else None
+        mode, tokens = self.cudagraph_dispatcher.dispatch(num_tokens, uniform_decode=True, valid_modes=valid)
+        return mode, tokens
+
+    runner = SimpleNamespace(
+        cudagraph_dispatcher=Dispatcher(),
+        vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=1)),
+    )
+    runner.__dict__[PIECEWISE_STEP] = True
+    assert runner_v1._in_pieces(runner, determine, (64,), {})[0] is CUDAGraphMode.PIECEWISE
+    assert "dispatch" not in runner.cudagraph_dispatcher.__dict__  # the dispatcher as it was
+    assert determine(runner, 64)[0] is CUDAGraphMode.FULL
+    runner.vllm_config.parallel_config.data_parallel_size = 2
+    assert runner_v1._in_pieces(runner, determine, (64,), {}) is None
+
+
+def test_the_graph_is_split_at_the_taps_only_where_vllm_splits_it_and_replays_pieces():
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+
+    from vllm_nnsight_plugin.seams.worker import split_graph_at
+    from vllm_nnsight_plugin.taps import ops
+
+    def config(**changes):
+        compilation = dict(
+            mode=CompilationMode.VLLM_COMPILE,
+            splitting_ops=["vllm::unified_attention_with_output"],
+            use_inductor_graph_partition=False,
+            cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+        )
+        eager = changes.pop("enforce_eager", False)
+        compilation.update(changes)
+        return SimpleNamespace(
+            model_config=SimpleNamespace(enforce_eager=eager),
+            compilation_config=SimpleNamespace(**compilation),
+        )
+
+    split = config()
+    assert split_graph_at(split, ops.SPLITTING) is True
+    assert split.compilation_config.splitting_ops == ["vllm::unified_attention_with_output", *ops.SPLITTING]
+    assert split_graph_at(split, ops.SPLITTING) is True  # once each
+    assert len(split.compilation_config.splitting_ops) == 3
+    for whole in (
+        config(enforce_eager=True),
+        config(mode=CompilationMode.NONE),
+        config(splitting_ops=[]),  # full graphs only, or sequence parallelism
+        config(use_inductor_graph_partition=True),
+        config(cudagraph_mode=CUDAGraphMode.FULL),
+        config(cudagraph_mode=CUDAGraphMode.NONE),
+    ):
+        before = list(whole.compilation_config.splitting_ops)
+        assert split_graph_at(whole, ops.SPLITTING) is False
+        assert whole.compilation_config.splitting_ops == before

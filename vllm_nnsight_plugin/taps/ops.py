@@ -469,8 +469,10 @@ def _tapped(
     keeps: int,
     pair: bool,
 ) -> None:
-    slots, codes, dest = (table[:, part].t() for part in range(3))
-    _PASSED[codes.data_ptr(), site] = keeps  # 0: a tuple without a second tensor
+    # (the addresses of the views ``table[:, part].t()``, without making them: on a
+    # step replaying the pieces between the taps this runs as Python at every tap)
+    slots_at, codes_at = table.data_ptr(), table.data_ptr() + table.stride(1) * table.element_size()
+    _PASSED[codes_at, site] = keeps  # 0: a tuple without a second tensor
     keeps = ONE if keeps == FIRST else keeps  # the first of (value, None) is kept as one tensor
     kernel = _kernel() if hidden.is_cuda else None
     fits = (
@@ -485,11 +487,12 @@ def _tapped(
         and how.is_contiguous()
     )
     if kernel is None or not fits:
+        slots, codes, dest = (table[:, part].t() for part in range(3))
         out.copy_(_steered(hidden, second, slots, bank, how, site, pair))
         if keeps:
             keep(out, out if keeps == 2 else second, codes, dest, store, site)
     else:
-        _SEEN[slots.data_ptr(), site] = (tuple(hidden.shape), hidden.dtype)
+        _SEEN[slots_at, site] = (tuple(hidden.shape), hidden.dtype)
         launch(kernel, hidden, second, table, bank, how, store, site, keeps, pair, out=out)
     _at_the_tap(site, out, second if pair else None)
 
