@@ -129,3 +129,16 @@ def test_the_tap_operations_hand_their_value_only_while_a_hook_is_set():
     torch.ops.vllm_nnsight.steer(hidden, hidden, slots, bank, how, 0)
     assert len(seen) == 2
     assert seen[0][1] is out and seen[0][2] is second and seen[1][1] is single and seen[1][2] is None
+
+
+def test_a_batch_padded_for_a_graph_hands_the_blocks_the_steps_rows_only():
+    interleaver = Interleaver()
+    live = AtTaps(tables(), {0, 4}, interleaver, "root", None, rows=3)
+    hidden, residual = torch.ones(4, 4), torch.zeros(4, 4)  # 3 rows and one of padding
+    live(0, hidden, residual)
+    mlp = torch.ones(4, 4)
+    live(4, mlp, None)
+    (_, (got, got_residual)), (_, got_mlp) = interleaver.handed
+    assert got.shape == (3, 4) and got_residual.shape == (3, 4) and got_mlp.shape == (3, 4)
+    assert torch.equal(hidden[:3], torch.full((3, 4), 2.0)) and torch.equal(hidden[3], torch.ones(4))
+    assert torch.equal(mlp[:3], torch.full((3, 4), 2.0)) and torch.equal(mlp[3], torch.ones(4))

@@ -32,9 +32,14 @@ logger = logging.getLogger("vllm_nnsight_plugin")
 class AtTaps:
     """One step's hand-offs: for each tap site, the locations it serves, in order."""
 
-    def __init__(self, tables: Any, sites: set[int], interleaver: Any, root: str, kernels: Any) -> None:
+    def __init__(
+        self, tables: Any, sites: set[int], interleaver: Any, root: str, kernels: Any, rows: int | None = None
+    ) -> None:
         self.interleaver = interleaver
         self.kernels = kernels
+        #: the step's token rows: a forward replaying piece graphs runs on a batch
+        #: padded to a captured size, whose last rows are nobody's
+        self.rows = rows
         #: site -> [(location, kind, the input sites a HANDED value is built from)]
         self.plan: dict[int, list[tuple[str, str, tuple[int, ...]]]] = {}
         #: input sites whose values a later hand-off gathers
@@ -54,6 +59,11 @@ class AtTaps:
     def __call__(self, site: int, out: torch.Tensor, second: torch.Tensor | None) -> None:
         if self.busy:  # a block's own call of a tapped module (``model.model.norm(h)``)
             return
+        rows = self.rows
+        if rows is not None and out.dim() and out.shape[0] > rows:  # the step's own rows
+            if second is not None and second.dim() and second.shape[0] == out.shape[0]:
+                second = second[:rows]
+            out = out[:rows]
         if site in self.kept:
             self.values[site] = out
         wanted = self.plan.get(site)

@@ -420,7 +420,8 @@ class WorkerRuntime:
             lowered = replays.get(request_id)
             if lowered is not None and _waiting(request, lowered.edit):
                 sites.update(site for site, _ in lowered.regions)
-        step.live = AtTaps(self.tables, sites, self.model.interleaver, self.model.path, self.kernels)
+        rows = sum(count for _, count in step.spans)
+        step.live = AtTaps(self.tables, sites, self.model.interleaver, self.model.path, self.kernels, rows)
         ops.at_taps(step.live)
         self.steps_at_taps += 1
 
