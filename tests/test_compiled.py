@@ -358,6 +358,32 @@ def test_an_out_of_order_read_is_reported_as_one_on_a_compiled_engine(compiled):
     assert stats["tracked"] == 0
 
 
+def test_the_client_says_which_locations_are_not_taps_before_it_sends(compiled):
+    import warnings
+
+    from vllm_nnsight_plugin import UntappedLocationWarning
+
+    model = VLLM(compiled)
+    layer = model.model.layers[3]  # a module captured by the block
+    with pytest.warns(UntappedLocationWarning) as said:
+        with model.trace(PROMPT, temperature=0.0, max_tokens=2):
+            layer.output[0].clone().save()
+            model.model.layers[5].mlp.output.clone().save()
+            model.model.layers[10].output[0].clone().save()  # a tap
+    messages = [str(w.message) for w in said if w.category is UntappedLocationWarning]
+    assert len(messages) == 2, messages
+    assert "`model.model.layers.3.output` is not a tap" in messages[0]
+    assert "taps=['model.layers.3.output']" in messages[0]
+    assert "`model.model.layers.5.mlp.output`" in messages[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UntappedLocationWarning)
+        with model.trace(PROMPT, temperature=0.0, max_tokens=2):
+            model.model.layers[10].self_attn.attn.inputs[0][0].clone().save()
+            model.model.layers[10].output[0].clone().save()
+            model.model.layers[12].mlp.act_fn.output.clone().save()
+            model.logits.clone().save()
+
+
 @pytest.fixture(scope="module")
 def compiled_no_fallback(smollm2_path, compiled):
     stop_llm(compiled)  # one engine at a time on two cores

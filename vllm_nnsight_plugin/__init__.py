@@ -13,17 +13,26 @@ from typing import TYPE_CHECKING, Any
 from .versions import PLUGIN_VERSION as __version__
 
 if TYPE_CHECKING:
-    from .client.model import VLLM, PreparedRequests, connect
+    from .client.model import VLLM, PreparedRequests, UntappedLocationWarning, connect
     from .client.remote import ServeError
     from .returns.outputs import BlockError, saves
 
-__all__ = ["VLLM", "PreparedRequests", "connect", "ServeError", "BlockError", "saves", "__version__"]
+__all__ = [
+    "VLLM",
+    "PreparedRequests",
+    "UntappedLocationWarning",
+    "connect",
+    "ServeError",
+    "BlockError",
+    "saves",
+    "__version__",
+]
 
 
 def __getattr__(name: str) -> Any:
     # Lazy: vLLM imports this package in every process through the plugin entry
     # point, and the client (nnsight, torch) must not load there.
-    if name in ("VLLM", "PreparedRequests", "connect"):
+    if name in ("VLLM", "PreparedRequests", "UntappedLocationWarning", "connect"):
         from .client import model
 
         return getattr(model, name)

@@ -91,6 +91,17 @@ def _reduce_block(node: Any, globals: dict, locals: dict) -> tuple:
     return (source, *compacted(used_globals, used_locals))
 
 
+def block_of(mediator: Any) -> tuple[str | None, dict[str, Any]]:
+    """A block's source as it travels, and the values it captured by name, read
+    off the client's mediator (its ``node``, ``glbls`` and ``lcls``)."""
+    node = getattr(mediator, "node", None)
+    source = None
+    if node is not None and getattr(node, "body", None):
+        kept = _SOURCES.get(id(node))
+        source = kept[1] if kept is not None and kept[0] is node else _block_source(node)
+    return source, {**(getattr(mediator, "glbls", None) or {}), **(getattr(mediator, "lcls", None) or {})}
+
+
 #: A captured tensor whose storage is at least twice its size, and larger by this
 #: many bytes, travels as a copy of its own.
 _SLACK_BYTES = 4096

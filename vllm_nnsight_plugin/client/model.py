@@ -33,6 +33,7 @@ import atexit
 import contextvars
 import difflib
 import functools
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,7 +47,7 @@ from ..wire.edits import EDITS_KEY, encode_choice
 from ..wire.envelope import EXTRA_ARGS_KEY, seal
 from ..wire.references import envoys_by_reference
 from ..wire.trust import VOUCHED_KEY, Vouched, operator_key
-from ._nnsight import one_pickle_per_block, reattach_caches, reduce_once
+from ._nnsight import block_of, one_pickle_per_block, reattach_caches, reduce_once
 from .edits import Edits
 from .standalone import SamplingParams as _StandInParams
 from .standalone import vllm_installed, vllm_stand_ins
@@ -72,6 +73,22 @@ class PreparedRequests:
         """Per request, the ``vllm_xargs`` that carry its block (and its choice of
         installed edits) to a server."""
         return [served_xargs(param.extra_args) for param in self.params]
+
+
+class UntappedLocationWarning(UserWarning):
+    """A block names a module location that no tap of its compiled engine serves."""
+
+
+def _untapped_message(location: str) -> str:
+    """What a user is told of an untapped location, and the tap that serves it."""
+    path, _, end = location.rpartition(".")
+    pattern = f"{path.removeprefix('model.')}.{'output' if end == 'output' else 'inputs'}"
+    return (
+        f"`{location}` is not a tap on this engine: each step this request's block "
+        "reads it runs the whole forward as Python, for every request in that step "
+        "(an engine started with VLLM_NNSIGHT_EAGER_STEPS=0 refuses the request). "
+        f"Tap it where the engine is built, taps=[{pattern!r}] (docs/taps.md)."
+    )
 
 
 def served_xargs(extra: dict) -> dict:
@@ -297,7 +314,57 @@ class VLLM(Edits, _NNsightVLLM):
         with envoys_by_reference(self), one_pickle_per_block(), vllm_stand_ins():
             attached = super()._attach_mediators(params, **kwargs)
         _seal_params(params, len(attached), _SERVER_KEY.get())
+        self._say_untapped(attached)
         return attached
+
+    def _say_untapped(self, mediators: list) -> None:
+        """Before the requests go: warn of each location a block names that no tap of
+        this compiled engine serves. Such a block's steps run the whole forward as
+        Python, for every request in them (or, on an engine started with
+        ``VLLM_NNSIGHT_EAGER_STEPS=0``, the request is refused)."""
+        served = self._served_at_taps()
+        if served is None:
+            return
+        from ..taps.replay import untapped
+
+        said: set[str] = set()
+        known: dict[tuple, tuple[str, ...]] = {}
+        for mediator in mediators:
+            source, scope = block_of(mediator)
+            key = (source, tuple((name, id(value)) for name, value in scope.items()))
+            found = known.get(key)
+            if found is None:
+                found = known[key] = untapped(source, scope, self, served)
+            for location in found:
+                if location not in said:
+                    said.add(location)
+                    warnings.warn(UntappedLocationWarning(_untapped_message(location)), stacklevel=4)
+
+    def _served_at_taps(self) -> Any:
+        """What this client's own compiled engine serves at its taps
+        (``install.served_locations``); None for an eager engine, a server's, or
+        none yet."""
+        if "_served_locations" in self.__dict__:
+            return self.__dict__["_served_locations"]
+        engine = self.__dict__.get("vllm_entrypoint")
+        config = getattr(engine, "vllm_config", None) or getattr(
+            getattr(engine, "llm_engine", None), "vllm_config", None
+        )
+        meta_model = self.__dict__.get("_module")
+        if config is None or meta_model is None:
+            return None
+        from .. import seams
+        from ..taps.install import served_locations
+        from ..taps.spec import engine_taps
+
+        served = None
+        if not seams.engine_is_eager(config):
+            try:
+                served = served_locations(meta_model, engine_taps(config))
+            except Exception:  # noqa: BLE001 - a warning's worth: never in the way of the trace
+                served = None
+        self.__dict__["_served_locations"] = served
+        return served
 
     def _call_served(
         self, server: Any, prompts: list, params: list, lora_requests: list, **kwargs: Any

@@ -519,22 +519,9 @@ def install(runner: Any, model: Any) -> TapTables | None:
         i for i in tuples if returns_tuple(type(model.get_submodule(sites[i])), exactly=2)
     )
     tables.two_sites = frozenset(i for i in outputs if i not in tuples and _unpacked_in_two(model, sites[i]))
-    by_module: dict[str, dict[str | None, int]] = {}
-    handed_to: dict[str, list[int]] = {}
-    for i, site in enumerate(sites):
-        found = input_site(site)
-        if found is not None:  # a value the module is handed: its input taps, in order
-            handed_to.setdefault(found[0], []).append(i)
-            continue
-        path, operation = split_site(site)
-        by_module.setdefault(path, {})[operation] = i
-        # ``<child>.input`` where an operation's value is handed to it
-        child = None if operation is None else source.handed_to(type(model.get_submodule(path)), operation)
-        if child is not None:
-            tables.handed[f"{path}.{child}"] = i
-    tables.inputs = {path: tuple(found) for path, found in handed_to.items()}
+    by_module, tables.handed, tables.inputs = _served_by(model, sites)
     tables.reached = _first_calls(model, [*tables.handed, *tables.inputs, *(sites[i] for i in outputs)])
-    for path in dict.fromkeys([*by_module, *handed_to]):  # in model order
+    for path in dict.fromkeys([*by_module, *tables.inputs]):  # in model order
         _tap(model.get_submodule(path), by_module.get(path, {}), tables, tables.inputs.get(path, ()))
     # On a compiled engine whose graph vLLM splits (at attention), split it at each
     # tap too, so blocks at the taps run between graph replays (``worker/live.py``).
@@ -546,6 +533,48 @@ def install(runner: Any, model: Any) -> TapTables | None:
         ", ".join(sites),
     )
     return tables
+
+
+def _served_by(
+    model: Any, sites: tuple[str, ...]
+) -> tuple[dict[str, dict[str | None, int]], dict[str, int], dict[str, tuple[int, ...]]]:
+    """Which sites each module's taps are: by module, its output's (key None) and
+    its operations'; ``<child>.input`` -> the operation site whose value the
+    child's parent hands it; a module's path -> the sites of the values it is handed."""
+    by_module: dict[str, dict[str | None, int]] = {}
+    handed: dict[str, int] = {}
+    handed_to: dict[str, list[int]] = {}
+    for i, site in enumerate(sites):
+        found = input_site(site)
+        if found is not None:  # a value the module is handed: its input taps, in order
+            handed_to.setdefault(found[0], []).append(i)
+            continue
+        path, operation = split_site(site)
+        by_module.setdefault(path, {})[operation] = i
+        # ``<child>.input`` where an operation's value is handed to it
+        child = None if operation is None else source.handed_to(type(model.get_submodule(path)), operation)
+        if child is not None:
+            handed[f"{path}.{child}"] = i
+    return by_module, handed, {path: tuple(found) for path, found in handed_to.items()}
+
+
+def served_locations(model: Any, patterns: tuple[str, ...]) -> Any:
+    """What an engine built with ``patterns`` serves at its taps, read off a model
+    of the same classes (the client's meta model): the ``site_of``, ``handed`` and
+    ``inputs`` the lowering reads of :class:`TapTables`, without the tables."""
+    from types import SimpleNamespace
+
+    if patterns == (LAYERS,):
+        sites = _decoder_layers(model)
+    else:
+        sites = resolve(
+            patterns,
+            (name for name, _ in model.named_modules()),
+            source.operations_in(model),
+            source.handed_in(model),
+        )
+    _, handed, inputs = _served_by(model, sites)
+    return SimpleNamespace(site_of={path: i for i, path in enumerate(sites)}, handed=handed, inputs=inputs)
 
 
 def _first_calls(model: Any, paths: list[str]) -> dict[str, tuple[int, int]]:

@@ -272,6 +272,32 @@ def replayable(
     return tuple(sorted(sites))
 
 
+def untapped(source: str | None, scope: dict[str, Any], model: Any, tables: Any) -> tuple[str, ...]:
+    """The module locations a block names on the model that no tap of this engine
+    serves (``model.<path>.output``, ``.input``, ``.inputs``), each once, in the
+    order it names them. Locations reached through a loop's variable or a value it
+    did not capture from the model are not followed (the worker decides those)."""
+    uses = _uses(source) if source else None
+    if uses is None:
+        return ()
+    bound = _bound(source)
+    found: list[str] = []
+    for path, _, _, _ in uses:
+        head = None if path[0] in bound else scope.get(path[0])
+        if head is not model and not _is_envoy(head):
+            continue
+        ends = [i for i, part in enumerate(path) if i and part in ("output", "input", "inputs")]
+        if not ends or "source" in path[: ends[0]]:
+            continue
+        end = path[ends[0]]
+        _, where = _where(path[: ends[0]], scope, model)
+        if where is not None and not _taps_of(tables, where, end):
+            shown = f"model.{where}.{end}" if where else f"model.{end}"
+            if shown not in found:
+                found.append(shown)
+    return tuple(found)
+
+
 #: Attributes of a module that are locations, or steer the run, besides ``output``.
 _LOCATIONS = frozenset({"input", "inputs", "source", "skip", "next", "all", "iter"})
 #: A module's locations: on anything but the model's own names, a module reached
