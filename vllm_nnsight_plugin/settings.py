@@ -201,6 +201,12 @@ SETTINGS: tuple[Setting, ...] = (
         "with Triton)",
     ),
     Setting(
+        "VLLM_NNSIGHT_SPLIT_AT_TAPS", _flag, True, "flag",
+        "`0` leaves a compiled engine's graph whole at the taps: a step whose blocks run at the taps "
+        "then runs without CUDA graphs (unset: where vLLM replays pieces of the graph, it is split at "
+        "each tap too, and such a step replays the pieces between the taps)",
+    ),
+    Setting(
         "VLLM_NNSIGHT_KEPT_BYTES", _count(1), None, "bytes",
         "the store lowered keeping blocks write their rows to (unset: 3% of a GPU's memory, at least "
         "1 GiB; 128 MiB on a CPU)",

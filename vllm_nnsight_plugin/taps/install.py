@@ -486,6 +486,7 @@ class TapTables:
 def install(runner: Any, model: Any) -> TapTables | None:
     """Put the operations on every tapped module of ``model``; None when the engine has no taps."""
     from .. import seams
+    from ..settings import value
 
     patterns = engine_taps(runner.vllm_config)
     if not patterns:
@@ -525,7 +526,11 @@ def install(runner: Any, model: Any) -> TapTables | None:
         _tap(model.get_submodule(path), by_module.get(path, {}), tables, tables.inputs.get(path, ()))
     # On a compiled engine whose graph vLLM splits (at attention), split it at each
     # tap too, so blocks at the taps run between graph replays (``worker/live.py``).
-    tables.split = tables.one_op and seams.split_graph_at(runner.vllm_config, ops.SPLITTING)
+    tables.split = (
+        tables.one_op
+        and bool(value("VLLM_NNSIGHT_SPLIT_AT_TAPS"))
+        and seams.split_graph_at(runner.vllm_config, ops.SPLITTING)
+    )
     logger.info(
         "vllm-nnsight: taps on %d site(s)%s: %s",
         len(sites),
