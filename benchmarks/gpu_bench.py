@@ -459,6 +459,25 @@ def halve_if_large(model, batch, tokens, among_plain=None) -> list:
     return llm.generate(prepared.prompts + others, prepared.params + [plain] * len(others), use_tqdm=False)
 
 
+def halve(model, batch, tokens, decided: bool) -> list:
+    """The tapped layer's output halved every step: as a Python ``if`` that always
+    holds (``decided``: Python at the taps) or as the lowered edit; their greedy
+    tokens are compared (``at_taps_check``)."""
+    layer = model.model.layers[LAYER]
+    with model.requests(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+        for ids in batch:
+            with tracer.invoke(ids):
+                for _ in tracer.iter[:tokens]:
+                    if decided:
+                        hidden = layer.output[0]
+                        if hidden.norm() > 0:
+                            hidden[:] *= 0.5
+                    else:
+                        layer.output[0][:] *= 0.5
+    prepared = tracer.prepared
+    return model.vllm_entrypoint.generate(prepared.prompts, prepared.params, use_tqdm=False)
+
+
 def carry_between_taps(model, batch, tokens) -> None:
     """A value carried from one tap to a later one in the same step (the stream
     norm after the layer before the benchmark's rescales its output): no table runs it."""
@@ -762,6 +781,24 @@ def at_taps_jobs(model, llm, name: str, repeats: int, few: list, params) -> None
     carried between two taps)."""
     (before,) = llm.collective_rpc("nnsight_stats")
     halve_if_large(model, few[:4], 8)  # warm-up
+    # The same edit at the taps (between piece graphs) and lowered (in the graphs):
+    # the same compiled kernels, so the same greedy tokens.
+    checked = unique(8)
+    at_taps = halve(model, checked, 16, decided=True)
+    lowered = halve(model, checked, 16, decided=False)
+    plain = llm.generate([{"prompt_token_ids": ids} for ids in checked], params, use_tqdm=False)
+    result(
+        engine=name,
+        job="at_taps_check",
+        same_as_lowered=sum(
+            list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids) for a, b in zip(at_taps, lowered)
+        ),
+        differs_from_plain=sum(
+            list(a.outputs[0].token_ids)[:16] != list(b.outputs[0].token_ids)[:16] for a, b in zip(at_taps, plain)
+        ),
+        paths=sorted({str(getattr(o, "nnsight_path", {}).get("form")) for o in at_taps + lowered}),
+        of=len(checked),
+    )
     rate(
         name,
         "at_taps_among_plain",
