@@ -334,7 +334,11 @@ class VLLM(Edits, _NNsightVLLM):
             key = (source, tuple((name, id(value)) for name, value in scope.items()))
             found = known.get(key)
             if found is None:
-                found = known[key] = untapped(source, scope, self, served)
+                try:
+                    found = untapped(source, scope, self, served)
+                except Exception:  # noqa: BLE001 - a warning's worth: never in the way of the trace
+                    found = ()
+                known[key] = found
             for location in found:
                 if location not in said:
                     said.add(location)
