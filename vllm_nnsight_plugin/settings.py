@@ -201,10 +201,11 @@ SETTINGS: tuple[Setting, ...] = (
         "with Triton)",
     ),
     Setting(
-        "VLLM_NNSIGHT_SPLIT_AT_TAPS", _flag, True, "flag",
-        "`0` leaves a compiled engine's graph whole at the taps: a step whose blocks run at the taps "
-        "then runs without CUDA graphs (unset: where vLLM replays pieces of the graph, it is split at "
-        "each tap too, and such a step replays the pieces between the taps)",
+        "VLLM_NNSIGHT_SPLIT_AT_TAPS", _flag, False, "flag",
+        "`1` splits a compiled engine's graph at each tap, where vLLM replays pieces of it: a step whose "
+        "blocks run at the taps then replays the pieces between the taps instead of running without "
+        "CUDA graphs, and every step that replays pieces (prefills, mixed batches) runs each tap as "
+        "Python (unset: whole at the taps)",
     ),
     Setting(
         "VLLM_NNSIGHT_KEPT_BYTES", _count(1), None, "bytes",

@@ -32,7 +32,9 @@ TAPS = {"nnsight_taps": SESSION_TAPS}  # decoder layers, an attention operation,
 
 @pytest.fixture(scope="module")
 def tapped(smollm2_path):
-    return start(smollm2_path, additional_config=TAPS)  # graphs and torch.compile
+    # graphs and torch.compile, the graph split at each tap (blocks at the taps
+    # replay the pieces between them; docs/taps.md, "Python at the taps")
+    return start(smollm2_path, env={"VLLM_NNSIGHT_SPLIT_AT_TAPS": "1"}, additional_config=TAPS)
 
 
 def steer_lowered(model, vectors):

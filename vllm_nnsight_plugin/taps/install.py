@@ -524,8 +524,10 @@ def install(runner: Any, model: Any) -> TapTables | None:
     tables.reached = _first_calls(model, [*tables.handed, *tables.inputs, *(sites[i] for i in outputs)])
     for path in dict.fromkeys([*by_module, *tables.inputs]):  # in model order
         _tap(model.get_submodule(path), by_module.get(path, {}), tables, tables.inputs.get(path, ()))
-    # On a compiled engine whose graph vLLM splits (at attention), split it at each
-    # tap too, so blocks at the taps run between graph replays (``worker/live.py``).
+    # Where the operator asks, and vLLM splits the compiled graph (at attention),
+    # split it at each tap too, so blocks at the taps run between the pieces' graph
+    # replays (``worker/live.py``); every step that replays pieces then runs the
+    # taps as Python, which costs prefills (``benchmarks/RESULTS.md``).
     tables.split = (
         tables.one_op
         and bool(value("VLLM_NNSIGHT_SPLIT_AT_TAPS"))

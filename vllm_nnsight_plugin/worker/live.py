@@ -4,11 +4,14 @@ A block the tables cannot run, but whose every location is a tap (what
 ``taps/replay.py`` serves: a tap's output, what a module is handed, logits and
 samples), need not take its step's forward off the compiled path. Such a step
 runs vLLM's compiled code without a CUDA graph (a replayed graph runs no Python),
-and each tap's operation hands its value here (``taps/ops.py``, ``at_taps``):
+or, where the graph is split at the taps (``VLLM_NNSIGHT_SPLIT_AT_TAPS``), as the
+graphs of the pieces between them, padded to a captured batch size; and each
+tap's operation hands its value here (``taps/ops.py``, ``at_taps``):
 the interleaver runs the blocks parked at that location on their rows, and the
 forward goes on with what they left. An in-place edit changes the operation's
-own output (or the residual it declares it mutates); a replacement is copied
-into it. Every module between the taps runs compiled and unhooked for every
+own output (or the residual it declares it mutates): the blocks are handed
+copies of the step's rows, and what they leave there, or a replacement, is
+copied back. Every module between the taps runs compiled and unhooked for every
 request of the step, so a plain neighbour computes what it computes without a
 traced request beside it.
 
