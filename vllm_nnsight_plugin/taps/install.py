@@ -491,15 +491,7 @@ def install(runner: Any, model: Any) -> TapTables | None:
     patterns = engine_taps(runner.vllm_config)
     if not patterns:
         return None
-    if patterns == (LAYERS,):
-        sites = _decoder_layers(model)
-    else:
-        sites = resolve(
-            patterns,
-            (name for name, _ in model.named_modules()),
-            source.operations_in(model),
-            source.handed_in(model),
-        )
+    sites = _sites(model, patterns)
     if not sites:
         return None
     max_tokens, hidden, max_seqs, device = seams.tap_table_sizes(runner)
@@ -571,17 +563,21 @@ def served_locations(model: Any, patterns: tuple[str, ...]) -> Any:
     ``inputs`` the lowering reads of :class:`TapTables`, without the tables."""
     from types import SimpleNamespace
 
-    if patterns == (LAYERS,):
-        sites = _decoder_layers(model)
-    else:
-        sites = resolve(
-            patterns,
-            (name for name, _ in model.named_modules()),
-            source.operations_in(model),
-            source.handed_in(model),
-        )
+    sites = _sites(model, patterns) if patterns else ()
     _, handed, inputs = _served_by(model, sites)
     return SimpleNamespace(site_of={path: i for i, path in enumerate(sites)}, handed=handed, inputs=inputs)
+
+
+def _sites(model: Any, patterns: tuple[str, ...]) -> tuple[str, ...]:
+    """The sites ``patterns`` name on ``model``, in model order."""
+    if patterns == (LAYERS,):
+        return _decoder_layers(model)
+    return resolve(
+        patterns,
+        (name for name, _ in model.named_modules()),
+        source.operations_in(model),
+        source.handed_in(model),
+    )
 
 
 def _first_calls(model: Any, paths: list[str]) -> dict[str, tuple[int, int]]:
