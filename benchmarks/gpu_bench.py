@@ -908,9 +908,10 @@ def profile_engine(path: str, graphs: bool = False, taps: bool = False) -> None:
     ten plain one-token calls beside them, and ten logit lenses. Tapped
     (``profile-taps``, graphed, layer 18 tapped, or ``GPU_BENCH_TAPS``): the lowered
     capture of 1,000 x 128 and steering of 256 x 128, beside plain 1,000 x 128, ten
-    logit lenses beside ten one-token traces, patching (64 x 16) and, where every
-    layer is tapped, the probe (64 x 128); ``GPU_BENCH_PROFILE_JOBS`` (comma-separated
-    names) picks some."""
+    logit lenses beside ten one-token traces, patching (64 x 16), where every
+    layer is tapped the probe (64 x 128), one block at the taps among 63 plain
+    requests (x 32, ``at_taps``) and ten plain one-token calls (``plain1``);
+    ``GPU_BENCH_PROFILE_JOBS`` (comma-separated names) picks some."""
     import cProfile
 
     from vllm import LLM, SamplingParams
@@ -946,6 +947,11 @@ def profile_engine(path: str, graphs: bool = False, taps: bool = False) -> None:
         if every_layer_tapped():
             layers = layer_count(path)
             jobs["probe"] = lambda: probe_rows(model, unique(CONCURRENT), TOKENS, layers)
+        # a block at the taps among plain requests, and plain one-token calls (a
+        # prefill: piece graphs), where the time between pieces goes
+        # (with ``VLLM_NNSIGHT_SPLIT_AT_TAPS=1``, the taps run as Python there)
+        jobs["at_taps"] = lambda: halve_if_large(model, unique(CONCURRENT), 32, among_plain=llm)
+        jobs["plain1"] = lambda: [llm.generate([p], one, use_tqdm=False) for p in fresh_prompts(10, next(runs))]
         wanted = [j for j in os.environ.get("GPU_BENCH_PROFILE_JOBS", "").split(",") if j]
         jobs = {job: fn for job, fn in jobs.items() if not wanted or job in wanted}
     elif graphs:
