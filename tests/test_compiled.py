@@ -370,7 +370,7 @@ def test_the_client_says_which_locations_are_not_taps_before_it_sends(compiled):
             layer.output[0].clone().save()
             model.model.layers[5].mlp.output.clone().save()
             model.model.layers[10].output[0].clone().save()  # a tap
-    messages = [str(w.message) for w in said if w.category is UntappedLocationWarning]
+    messages = sorted(str(w.message) for w in said if w.category is UntappedLocationWarning)
     assert len(messages) == 2, messages
     assert "`model.model.layers.3.output` is not a tap" in messages[0]
     assert "taps=['model.layers.3.output']" in messages[0]

@@ -274,9 +274,9 @@ def replayable(
 
 def untapped(source: str | None, scope: dict[str, Any], model: Any, tables: Any) -> tuple[str, ...]:
     """The module locations a block names on the model that no tap of this engine
-    serves (``model.<path>.output``, ``.input``, ``.inputs``), each once, in the
-    order it names them. Locations reached through a loop's variable or a value it
-    did not capture from the model are not followed (the worker decides those)."""
+    serves (``model.<path>.output``, ``.input``, ``.inputs``), each once.
+    Locations reached through a loop's variable or a value it did not capture from
+    the model are not followed (the worker decides those)."""
     uses = _uses(source) if source else None
     if uses is None:
         return ()
