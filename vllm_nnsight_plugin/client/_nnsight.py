@@ -79,15 +79,20 @@ def _block_source(node: Any) -> str:
 _SOURCES: dict[int, tuple[Any, str]] = {}
 
 
-def _reduce_block(node: Any, globals: dict, locals: dict) -> tuple:
-    """``reduce_block`` with the unparse done once per AST node (held, so its id
-    cannot be reused by another node while it is in the memo)."""
+def _source_of(node: Any) -> str:
+    """:func:`_block_source`, once per AST node (held, so its id cannot be reused
+    by another node while it is in the memo)."""
     kept = _SOURCES.get(id(node))
     if kept is None or kept[0] is not node:
         if len(_SOURCES) >= _MEMO_SIZE:
             _SOURCES.clear()
         kept = _SOURCES[id(node)] = (node, _block_source(node))
-    source, used_globals, used_locals = serialization.code_reduce(kept[1], globals, locals)
+    return kept[1]
+
+
+def _reduce_block(node: Any, globals: dict, locals: dict) -> tuple:
+    """``reduce_block`` with the unparse done once per AST node."""
+    source, used_globals, used_locals = serialization.code_reduce(_source_of(node), globals, locals)
     return (source, *compacted(used_globals, used_locals))
 
 
@@ -95,10 +100,7 @@ def block_of(mediator: Any) -> tuple[str | None, dict[str, Any]]:
     """A block's source as it travels, and the values it captured by name, read
     off the client's mediator (its ``node``, ``glbls`` and ``lcls``)."""
     node = getattr(mediator, "node", None)
-    source = None
-    if node is not None and getattr(node, "body", None):
-        kept = _SOURCES.get(id(node))
-        source = kept[1] if kept is not None and kept[0] is node else _block_source(node)
+    source = _source_of(node) if node is not None and getattr(node, "body", None) else None
     return source, {**(getattr(mediator, "glbls", None) or {}), **(getattr(mediator, "lcls", None) or {})}
 
 
