@@ -640,6 +640,54 @@ def test_one_operation_a_tap_computes_what_steer_and_keep_do():
     assert not torch.equal(kept_pair, kept_tensor) and kept_pair[2:10].abs().sum() > 0
 
 
+def test_a_tap_run_from_python_copies_its_value_at_a_site_no_entry_of_the_step_touches(monkeypatch):
+    """Once only ``fill`` writes the tables (``only_filled``, as ``install`` says), a
+    tap run from Python at a site the step's entries leave alone copies its value and
+    computes nothing (``ops.quiet``); at a site they touch it runs in full. Values,
+    the residual and the kept rows are those of every tap run in full."""
+    from vllm_nnsight_plugin.taps import ops
+    from vllm_nnsight_plugin.taps.install import _apply
+
+    computed = []
+    steered = ops._steered
+    monkeypatch.setattr(ops, "_steered", lambda *a, **k: computed.append(a[5]) or steered(*a, **k))
+    generator = torch.Generator().manual_seed(3)
+    hidden, residual = torch.randn(5, 3, generator=generator), torch.randn(5, 3, generator=generator)
+    found = {}
+    for told in (False, True):
+        for one_op in (False, True):
+            computed.clear()
+            tables = TapTables(
+                ("a", "b"), max_tokens=8, hidden=3, entries=4, device="cpu", store_size=64, one_op=one_op
+            )
+            if told:
+                tables.only_filled()
+            assert tables.add("steered", steering(0, 0, None), torch.tensor([1.0, 2.0, 3.0]))
+            kept = Lowered(1, 0, None, None, code=KEEP_SUM)
+            assert tables.add("kept", kept, room=8)
+            # the first step: the steered request's rows only; the keeping one is not in it
+            tables.fill(["steered", "plain"], bounds([0, 2], [2, 3]))
+            at_a = _apply(tables, 0, (hidden.clone(), residual.clone()))
+            at_b = _apply(tables, 1, (hidden.clone(), residual.clone()))
+            first = list(computed)
+            # the next: the keeping request's rows at "b" only
+            tables.fill(["plain", "kept"], bounds([0, 3], [3, 2]))
+            again_a = _apply(tables, 0, hidden.clone())
+            again_b = _apply(tables, 1, (hidden.clone(), residual.clone()))
+            found[told, one_op] = (at_a, at_b, again_a, again_b, tables.store.clone())
+            assert first == ([0, 1] if not told else [0])
+            assert computed == first + ([0, 1] if not told else [1])
+    for one_op in (False, True):
+        full, quiet = found[False, one_op], found[True, one_op]
+        assert all(torch.equal(x, y) for a, b in zip(full[:2], quiet[:2]) for x, y in zip(a, b))
+        assert torch.equal(full[2], quiet[2]) and torch.equal(full[3][0], quiet[3][0])
+        assert torch.equal(full[4][1:], quiet[4][1:])  # row 0: where rows nobody keeps go
+    at_a, at_b, _, _, store = found[True, True]
+    assert torch.equal(at_a[0][:2], hidden[:2] + torch.tensor([1.0, 2.0, 3.0]))
+    assert torch.equal(at_a[0][2:], hidden[2:]) and torch.equal(at_b[0], hidden)
+    assert store[1:].abs().sum() > 0  # the keeping request's rows were kept
+
+
 def test_a_request_steering_several_layers_takes_an_entry_at_each_and_one_row_of_the_bank():
     tables = TapTables(
         tuple(f"model.layers.{i}" for i in range(3)), max_tokens=16, hidden=4, entries=4, device="cpu"

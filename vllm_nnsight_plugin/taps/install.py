@@ -116,6 +116,11 @@ class TapTables:
         self.split = False
         self.slots, self.codes, self.dest = (table[:, part].t() for part in range(3))
         ops.forget_seen(self.slots, self.codes)
+        ops.quiet(table, None)
+        #: the sites the last step's entries touch (``fill``); told to the taps once
+        #: ``only_filled`` says ``fill`` is all that writes the table
+        self._busy = np.zeros(len(sites), dtype=bool)
+        self._told = False
         # One row of the bank per steering request (its entries at several sites
         # share it); a keep takes entries and no row.
         bank_rows = entries if bank_rows is None else bank_rows
@@ -394,6 +399,7 @@ class TapTables:
         if dirty:
             table[:dirty, 0] = -1
             table[:dirty, 1:] = 0
+        self._busy[:] = False
         used = self._place(table, req_ids, np.asarray(bounds, dtype=np.int64))
         self._dirty[self._turn] = used
         rows = max(used, self._uploaded)
@@ -401,6 +407,15 @@ class TapTables:
             self._table[:rows].copy_(staging[:rows], non_blocking=True)
             self._turn ^= 1
         self._uploaded = used
+        if self._told:
+            ops.quiet(self._table, (~self._busy).tolist())
+
+    def only_filled(self) -> None:
+        """From now on only ``fill`` writes the table: the taps, where they run from
+        Python, may then copy the value at each site the step's entries leave alone
+        (``ops.quiet``), which with no entry yet is every site."""
+        self._told = True
+        ops.quiet(self._table, (~self._busy).tolist())
 
     def _place(self, table: np.ndarray, req_ids: list[str], bounds: np.ndarray) -> int:
         """Write this step's entries into ``table``; the rows used."""
@@ -436,6 +451,7 @@ class TapTables:
         within = np.arange(total, dtype=np.int64) - offsets
         slab = np.repeat(starts, counts) + within
         kind, site, pick = self._kind[each], self._site[each], self._pick[each]
+        self._busy[site] = True
         chosen = None
         if pick.any():  # blocks on one row of each step: the last, or the first
             before_end = np.repeat(counts, counts) - within  # 1 on a step's last row
@@ -514,6 +530,7 @@ def install(runner: Any, model: Any) -> TapTables | None:
     tables.two_sites = frozenset(i for i in outputs if i not in tuples and _unpacked_in_two(model, sites[i]))
     by_module, tables.handed, tables.inputs = _served_by(model, sites)
     tables.reached = _first_calls(model, [*tables.handed, *tables.inputs, *(sites[i] for i in outputs)])
+    tables.only_filled()
     for path in dict.fromkeys([*by_module, *tables.inputs]):  # in model order
         _tap(model.get_submodule(path), by_module.get(path, {}), tables, tables.inputs.get(path, ()))
     # Where the operator asks, and vLLM splits the compiled graph (at attention),

@@ -64,9 +64,15 @@ operation unless ``VLLM_NNSIGHT_TAP_KERNEL=0``; other engines call ``steer``
 and ``keep`` themselves unless it is ``1`` (``spec.kernel_chosen``: the choice
 travels in the config the compile cache is keyed by).
 
-All are ``torch.library`` custom ops with fake implementations, so
+All are operations of a ``torch.library.Library`` with fake implementations, so
 torch.compile keeps each whole (one opaque call in the graph) and a CUDA graph
 records their kernels, which read the tables' current contents at every replay.
+They are registered with the library directly rather than with ``custom_op``,
+whose Python wrappers cost about 30 us a call on a 2-core CPU (1.9 us this
+way): nothing where a graph replays them, but paid at every tap where they run
+from Python (an eager engine, or a graph split at the taps). Where they run from
+Python, a tap at a site no entry of the step's tables touches copies its value
+and launches nothing else (:func:`quiet`).
 
 A tap whose value is not as wide as the bank (an MLP's neurons, a projection's
 output) takes the edits that read no bank row (3 and 4: scaled or filled on
@@ -79,6 +85,7 @@ before any request), so lowering can check them (:func:`seen`).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -90,6 +97,33 @@ except ImportError:  # pragma: no cover - a build without Triton
     triton = None
 
 NAMESPACE = "vllm_nnsight"
+
+#: Holds the operations' registrations (they go with it).
+_LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
+
+
+def _operation(mutates: tuple[str, ...] = ()) -> Callable[[Callable[..., Any]], Any]:
+    """Register a function as ``torch.ops.vllm_nnsight.<its name>``, its schema read
+    from its annotations; the operation is what it returns."""
+
+    def register(fn: Callable[..., Any]) -> Any:
+        name = fn.__name__
+        _LIBRARY.define(name + torch.library.infer_schema(fn, mutates_args=mutates))
+        _LIBRARY.impl(name, fn, "CompositeExplicitAutograd")
+        return getattr(torch.ops.vllm_nnsight, name)
+
+    return register
+
+
+def _fake(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The operation's shapes without running it (torch.compile's tracing)."""
+
+    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+        torch.library.register_fake(f"{NAMESPACE}::{name}", fn, lib=_LIBRARY)
+        return fn
+
+    return register
+
 
 #: What ``keep`` writes for a row, by code.
 KEEP_FIRST, KEEP_SECOND, KEEP_SUM, KEEP_BOTH = 1, 2, 3, 4
@@ -131,6 +165,33 @@ def forget_seen(slots: torch.Tensor, codes: torch.Tensor | None = None) -> None:
             del _PASSED[key]
 
 
+#: Per table (by its address): for each site, whether no entry of the step the
+#: host last wrote into the table touches it (``TapTables.fill``), so that a tap
+#: there leaves its value as it is. Absent: every tap runs in full.
+_QUIET: dict[int, Sequence[bool]] = {}
+
+
+def quiet(table: torch.Tensor, sites: Sequence[bool] | None) -> None:
+    """Note which sites no entry of ``table`` touches (from the host's copy of it);
+    by its address and its codes' (``keep`` is handed the codes). None: forget it
+    (a new table where an old one was)."""
+    for at in (table.data_ptr(), table.data_ptr() + table.stride(1) * table.element_size()):
+        if sites is None:
+            _QUIET.pop(at, None)
+        else:
+            _QUIET[at] = sites
+
+
+def _still(table_at: int, site: int, hidden: torch.Tensor) -> bool:
+    """Whether a tap run from Python may copy its value and do nothing else: no entry
+    touches its site and no CUDA graph is being captured (a captured tap must read the
+    tables at every replay)."""
+    sites = _QUIET.get(table_at)
+    if sites is None or not sites[site]:
+        return False
+    return not (hidden.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 #: Called with each tap's value while blocks run as Python at the taps
 #: (``worker/live.py``): ``(site, value, second)``, ``second`` the residual of a
 #: pair or None. The value is this operation's own output and the residual is
@@ -155,7 +216,7 @@ def _at_the_tap(site: int, out: torch.Tensor, second: torch.Tensor | None) -> to
 ADD, PROJECT, PROJECT_STREAM, SCALE, FILL, PATCH, PATCH_COLUMNS = 0, 1, 2, 3, 4, 5, 6
 
 
-@torch.library.custom_op(f"{NAMESPACE}::steer", mutates_args=())
+@_operation()
 def steer(
     hidden: torch.Tensor,
     second: torch.Tensor,
@@ -164,10 +225,12 @@ def steer(
     how: torch.Tensor,
     site: int,
 ) -> torch.Tensor:
+    if _still(slots.data_ptr(), site, hidden):
+        return _at_the_tap(site, _unsteered(hidden, slots, site), None)
     return _at_the_tap(site, _steered(hidden, second, slots, bank, how, site, pair=False), None)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::steer_pair", mutates_args=("second",))
+@_operation(mutates=("second",))
 def steer_pair(
     hidden: torch.Tensor,
     second: torch.Tensor,
@@ -177,7 +240,15 @@ def steer_pair(
     site: int,
 ) -> torch.Tensor:
     """``steer`` on a (hidden, residual) pair, whose residual rows a patch also sets."""
+    if _still(slots.data_ptr(), site, hidden):
+        return _at_the_tap(site, _unsteered(hidden, slots, site), second)
     return _at_the_tap(site, _steered(hidden, second, slots, bank, how, site, pair=True), second)
+
+
+def _unsteered(hidden: torch.Tensor, slots: torch.Tensor, site: int) -> torch.Tensor:
+    """What ``_steered`` returns where no row has an entry: the value, copied."""
+    _SEEN[slots.data_ptr(), site] = (tuple(hidden.shape), hidden.dtype)
+    return hidden.clone()
 
 
 def _steered(
@@ -326,11 +397,11 @@ def _steered_fake(
     return torch.empty_like(hidden)
 
 
-steer.register_fake(_steered_fake)
-steer_pair.register_fake(_steered_fake)
+_fake("steer")(_steered_fake)
+_fake("steer_pair")(_steered_fake)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::keep", mutates_args=("store",))
+@_operation(mutates=("store",))
 def keep(
     first: torch.Tensor,
     second: torch.Tensor,
@@ -341,6 +412,8 @@ def keep(
     passed: int = 0,
 ) -> None:
     _PASSED[codes.data_ptr(), site] = passed or (2 if first.data_ptr() == second.data_ptr() else 1)
+    if _still(codes.data_ptr(), site, first):
+        return
     rows = first.shape[0]
     if first.dim() != 2 or rows > codes.shape[1] or second.shape != first.shape:
         return
@@ -372,7 +445,7 @@ def keep(
         flat.index_put_((at.reshape(-1),), part.to(store.dtype).reshape(-1))
 
 
-@keep.register_fake
+@_fake("keep")
 def _(
     first: torch.Tensor,
     second: torch.Tensor,
@@ -385,7 +458,7 @@ def _(
     return None
 
 
-@torch.library.custom_op(f"{NAMESPACE}::tap", mutates_args=("out", "store"))
+@_operation(mutates=("out", "store"))
 def tap(
     hidden: torch.Tensor,
     second: torch.Tensor,
@@ -402,7 +475,7 @@ def tap(
     _tapped(hidden, second, out, table, bank, how, store, site, keeps, pair=False)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::tap_pair", mutates_args=("second", "out", "store"))
+@_operation(mutates=("second", "out", "store"))
 def tap_pair(
     hidden: torch.Tensor,
     second: torch.Tensor,
@@ -424,6 +497,7 @@ def tap_pair(
 #: them allocated, which the piece after them reads at the address it was
 #: captured with: a tensor they returned would be a new one every step.
 SPLITTING = (f"{NAMESPACE}::tap", f"{NAMESPACE}::tap_pair")
+_TAP, _TAP_PAIR = tap.default, tap_pair.default
 
 
 def tapped(
@@ -438,7 +512,7 @@ def tapped(
 ) -> torch.Tensor:
     """The tap's new value (``tap`` into a tensor allocated here, in the caller's graph)."""
     out = torch.empty_like(hidden)
-    torch.ops.vllm_nnsight.tap(hidden, second, out, table, bank, how, store, site, keeps)
+    _TAP(hidden, second, out, table, bank, how, store, site, keeps)
     return out
 
 
@@ -453,7 +527,7 @@ def tapped_pair(
 ) -> torch.Tensor:
     """The same for a (hidden, residual) pair (``tap_pair``; the residual is edited in place)."""
     out = torch.empty_like(hidden)
-    torch.ops.vllm_nnsight.tap_pair(hidden, second, out, table, bank, how, store, site)
+    _TAP_PAIR(hidden, second, out, table, bank, how, store, site)
     return out
 
 
@@ -474,6 +548,11 @@ def _tapped(
     slots_at, codes_at = table.data_ptr(), table.data_ptr() + table.stride(1) * table.element_size()
     _PASSED[codes_at, site] = keeps  # 0: a tuple without a second tensor
     keeps = ONE if keeps == FIRST else keeps  # the first of (value, None) is kept as one tensor
+    if _still(slots_at, site, hidden):  # (run from Python: one copy, no kernel)
+        _SEEN[slots_at, site] = (tuple(hidden.shape), hidden.dtype)
+        out.copy_(hidden)
+        _at_the_tap(site, out, second if pair else None)
+        return
     kernel = _kernel() if hidden.is_cuda else None
     fits = (
         hidden.dim() == 2
@@ -524,7 +603,7 @@ def launch(
     return out
 
 
-@tap_pair.register_fake
+@_fake("tap_pair")
 def _(
     hidden: torch.Tensor,
     second: torch.Tensor,
@@ -538,7 +617,7 @@ def _(
     return None
 
 
-@tap.register_fake
+@_fake("tap")
 def _(
     hidden: torch.Tensor,
     second: torch.Tensor,

@@ -62,6 +62,9 @@ class AtTaps:
     def __call__(self, site: int, out: torch.Tensor, second: torch.Tensor | None) -> None:
         if self.busy:  # a block's own call of a tapped module (``model.model.norm(h)``)
             return
+        wanted = self.plan.get(site)
+        if not wanted and site not in self.kept:  # (most taps of such a step)
+            return
         rows = self.rows
         if rows is not None and out.dim() and out.shape[0] > rows:  # the step's own rows
             if second is not None and second.dim() and second.shape[0] == out.shape[0]:
@@ -69,7 +72,6 @@ class AtTaps:
             out = out[:rows]
         if site in self.kept:
             self.values[site] = out
-        wanted = self.plan.get(site)
         if not wanted:
             return
         self.busy = True
