@@ -593,3 +593,23 @@ def test_fuzz_smoke(armed, client):
     assert summary["still_serving"] and summary["blocks_held_after"] == 0
     kinds = summary["by_kind"]
     assert len(kinds) >= 20 and any(kind.startswith("signed:") for kind in kinds)
+
+
+def test_a_served_block_reading_last_rows_shares_the_prefix_cache(armed, client):
+    """The client's claim travels in ``vllm_xargs``; the server's front end lets the
+    request read the cache, and its worker checks the block (``prefix.py``)."""
+    prompt = " ".join(f"Entry {i} of the served ledger lists a cached prefix." for i in range(24))
+
+    def cached() -> int:
+        response = httpx.post(f"{armed.url}/collective_rpc", json={"method": "nnsight_stats"}, timeout=30)
+        return sum(int(stats["prompt_rows_cached"]) for stats in response.json()["results"])
+
+    def last_row():
+        with client.trace(prompt, temperature=0.0, max_tokens=1, serve=armed.url, key=KEY):
+            row = client.model.layers[10].output[0][-1].clone().save()
+        return row
+
+    before = cached()
+    first, second = last_row(), last_row()
+    assert cached() - before >= 128
+    assert tuple(first.shape) == (576,) and torch.equal(first, second)

@@ -40,6 +40,7 @@ import nnsight.intervention.serialization as serialization
 import nnsight.modeling.vllm.vllm as nnsight_vllm
 import torch
 from nnsight.intervention.interleaver import Mediator
+from nnsight.intervention.tracer import InterleavingTracer  # noqa: F401 - the client's name for it (model.py)
 from nnsight.tracing.tracer import Tracer
 
 #: ``(module, attribute)`` of every private nnsight name used here, checked by

@@ -38,16 +38,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from nnsight.modeling.vllm.async_backend import AsyncVLLMBackend
 from nnsight.modeling.vllm.vllm import VLLM as _NNsightVLLM
 from nnsight.tracing.backend import Backend
 
+from ..prefix import CLAIM_KEY, LAST_ROWS, last_rows_only
 from ..versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT, UnsupportedVersion, check_nnsight
 from ..wire.edits import EDITS_KEY, encode_choice
 from ..wire.envelope import EXTRA_ARGS_KEY, seal
 from ..wire.references import envoys_by_reference
 from ..wire.trust import VOUCHED_KEY, Vouched, operator_key
-from ._nnsight import block_of, one_pickle_per_block, reattach_caches, reduce_once
+from ._nnsight import InterleavingTracer, block_of, one_pickle_per_block, reattach_caches, reduce_once
 from .edits import Edits
 from .standalone import SamplingParams as _StandInParams
 from .standalone import vllm_installed, vllm_stand_ins
@@ -91,12 +93,18 @@ def _untapped_message(location: str) -> str:
     )
 
 
+def _inert(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str, bytes, torch.Tensor))
+
+
 def served_xargs(extra: dict) -> dict:
     """What of a request's ``extra_args`` travels to a server as ``vllm_xargs``: the
     block, and a choice of edits as a JSON string (vLLM 0.25 takes no lists there)."""
     xargs = {EXTRA_ARGS_KEY: extra[EXTRA_ARGS_KEY]} if EXTRA_ARGS_KEY in extra else {}
     if extra.get(EDITS_KEY) is not None:
         xargs[EDITS_KEY] = encode_choice(extra[EDITS_KEY])
+    if extra.get(CLAIM_KEY) is not None:
+        xargs[CLAIM_KEY] = extra[CLAIM_KEY]
     return xargs
 
 
@@ -314,8 +322,44 @@ class VLLM(Edits, _NNsightVLLM):
         with envoys_by_reference(self), one_pickle_per_block(), vllm_stand_ins():
             attached = super()._attach_mediators(params, **kwargs)
         _seal_params(params, len(attached), _SERVER_KEY.get())
+        self._claim_last_rows(attached, params)
         self._say_untapped(attached)
         return attached
+
+    def _claim_last_rows(self, mediators: list, params: list) -> None:
+        """Where every block of the trace reads each module only at the last row of
+        each step and writes nothing, say so on each request: it then shares the
+        prefix cache as a plain request does (``prefix.py``; the worker checks)."""
+        meta = self.__dict__.get("_module")
+        if meta is None or not mediators:
+            return
+
+        def module_at(path: str) -> Any:
+            try:
+                return meta.get_submodule(path) if path else meta
+            except AttributeError:
+                return None
+
+        known: dict[tuple, bool] = {}  # invokes of one block with the same captured objects
+
+        def qualifies(mediator: Any) -> bool:
+            source, scope = block_of(mediator)
+            # (a number, a string or a tensor is neither a module nor a function:
+            # invokes that differ only in those read alike)
+            key = (source, tuple((name, id(value)) for name, value in scope.items() if not _inert(value)))
+            if key not in known:
+                known[key] = last_rows_only(source, scope, self, module_at, InterleavingTracer)
+            return known[key]
+
+        try:
+            every = all(qualifies(mediator) for mediator in mediators)
+        except Exception:  # noqa: BLE001 - without the claim a request computes its whole prompt
+            every = False
+        if every:
+            for param in params[: len(mediators)]:
+                param.extra_args[CLAIM_KEY] = LAST_ROWS
+                if hasattr(param, "skip_reading_prefix_cache"):  # (nnsight's client sets it)
+                    param.skip_reading_prefix_cache = False
 
     def _say_untapped(self, mediators: list) -> None:
         """Before the requests go: warn of each location a block names that no tap of

@@ -470,6 +470,7 @@ from .worker import (  # noqa: E402
     StepHooks,
     StepView,
     answers_for_engine,
+    cached_rows,
     engine_is_eager,
     eos_token_id,
     finished_ids,
@@ -517,6 +518,7 @@ INSTALLERS: dict[str, Callable[[], None]] = {
 
 __all__ = [
     "answers_for_engine",
+    "cached_rows",
     "COMPOSED_PREFIX",
     "ENGINE_CORE",
     "EXTENSION",

@@ -75,6 +75,7 @@ def patch_input_processor() -> None:
     from vllm.v1.engine.input_processor import InputProcessor
 
     from ..edits import installed_on
+    from ..prefix import CLAIM_KEY, LAST_ROWS
     from ..wire.trust import touches_trust
 
     def make(original: Callable) -> Callable:
@@ -97,6 +98,10 @@ def patch_input_processor() -> None:
                 # Runs no edit, carries no block: as the caller sent it (less any
                 # trust key it should not have sent).
                 params = given if extra is None else params
+                return original(self, request_id, prompt, params, *args, **kwargs)
+            if not edited and params.extra_args.get(CLAIM_KEY) == LAST_ROWS:
+                # Its blocks read only the last rows and write nothing (``prefix.py``;
+                # the worker checks): it shares the prefix cache as a plain request.
                 return original(self, request_id, prompt, params, *args, **kwargs)
             # Cached prompt rows are never recomputed, so hooks would not see them.
             params.skip_reading_prefix_cache = True

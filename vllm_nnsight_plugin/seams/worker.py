@@ -360,6 +360,12 @@ def whole_prompt_scheduled(data: Any, scheduler_output: Any) -> bool:
     )
 
 
+def cached_rows(data: Any) -> int:
+    """How many prompt tokens of a new request (``NewRequestData``) came from the
+    prefix cache (computed before its first step)."""
+    return int(getattr(data, "num_computed_tokens", 0) or 0)
+
+
 def scheduled_rows(data: Any, scheduler_output: Any) -> int:
     """How many token rows a new request (``NewRequestData``) has in this step."""
     scheduled = scheduled_ids(scheduler_output)

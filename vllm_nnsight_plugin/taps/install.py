@@ -647,8 +647,10 @@ def returns_tuple(cls: type, exactly: int | None = None) -> bool:
     has no second value to keep).
 
     Read from the source, so it holds for every call; anything unreadable or less
-    certain is False, and blocks on that tap run as Python.
+    certain is False, and blocks on that tap run as Python. A tapped module's class
+    is read as the class it was made from (its forward returns what that one does).
     """
+    cls = cls.__dict__.get(_BASE, cls)
     try:
         function = source.forward_definition(cls)
     except source.SourceTapError:
@@ -696,6 +698,8 @@ _SITES = "_vllm_nnsight_tap_sites"
 _INPUT_SITES = "_vllm_nnsight_tap_input_sites"
 _TABLES = "_vllm_nnsight_tap_tables"
 _TAPPED: dict[tuple[type, frozenset[str], bool, int], type] = {}
+#: On a tapped module's class: the model's own class it was made from.
+_BASE = "_vllm_nnsight_tapped_from"
 
 
 def _apply(tables: TapTables, site: int, out: Any) -> Any:
@@ -774,5 +778,7 @@ def _tapped_class(base: type, operations: frozenset[str], output: bool, inputs: 
             out = original(self, *args, **kwargs)
             return _apply(self.__dict__[_TABLES], self.__dict__[_SITES][None], out)
 
-    found = _TAPPED[key] = type(base.__name__, (base,), {"forward": forward, "__module__": base.__module__})
+    found = _TAPPED[key] = type(
+        base.__name__, (base,), {"forward": forward, "__module__": base.__module__, _BASE: base}
+    )
     return found

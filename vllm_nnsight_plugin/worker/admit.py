@@ -11,6 +11,7 @@ import hashlib
 from collections.abc import Callable
 from typing import Any
 
+from ..prefix import CLAIM_KEY, LAST_ROWS, PrefixClaimError, last_rows_only
 from ..taps.meaning import folded
 from ..versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT
 from ..wire.envelope import EXTRA_ARGS_KEY, EnvelopeError, Limits, open_envelope
@@ -97,6 +98,44 @@ def read(mediator: Any, model: Any) -> None:
     mediator.may_write = may_write(source, scope, model, nns.InterleavingTracer)
 
 
+#: Blocks (by their bytes' digest) read at admission for a prefix claim: whether
+#: they read only the last rows (``prefix.py``).
+_LAST_ROWS: dict[bytes, bool] = {}
+_LAST_ROWS_KEPT = 4096
+
+_CLAIM_REFUSED = (
+    "this request read the prefix cache, saying its block reads each module only at the last "
+    "row of each step and writes nothing, and its block does not: it would have seen rows the "
+    "cache supplied. A client of this plugin sets that claim only where it holds; send the block "
+    f"without extra_args[{CLAIM_KEY!r}]."
+)
+
+
+def _reads_last_rows(mediator: Any, model: Any, digest: bytes) -> bool:
+    """Whether a loaded block reads only the last rows (the client's own test),
+    once per block's bytes."""
+    known = _LAST_ROWS.get(digest)
+    if known is not None:
+        return known
+    root = nns.envoy_module(model)
+
+    def module_at(path: str) -> Any:
+        try:
+            return root.get_submodule(path) if path else root
+        except AttributeError:
+            return None
+
+    source, scope = nns.block_source(mediator), nns.block_scope(mediator)
+    try:
+        found = last_rows_only(source, scope, model, module_at, nns.InterleavingTracer)
+    except Exception:  # noqa: BLE001 - any doubt: the claim does not hold
+        found = False
+    if len(_LAST_ROWS) >= _LAST_ROWS_KEPT:
+        _LAST_ROWS.clear()
+    _LAST_ROWS[digest] = found
+    return found
+
+
 def request_for(requests: Any, index: RequestIndex, request_id: str) -> Any:
     """The tracked request of this id, tracked from now on if it was not."""
     request = requests.requests.get(request_id)
@@ -127,14 +166,20 @@ def admit(
     """
     params = data.sampling_params
     request = request_for(requests, index, data.req_id)
+    # the request read the prefix cache, saying its block reads only the last rows
+    claimed = params.extra_args.get(CLAIM_KEY) == LAST_ROWS
     try:
         block, digest = opened(
             params.extra_args[EXTRA_ARGS_KEY], params.extra_args.get(LOCAL_SIGNATURE_KEY), limits
         )
-        if lower_known is not None and lower_known(request, digest):
+        known = not claimed or _LAST_ROWS.get(digest, False)
+        if lower_known is not None and known and lower_known(request, digest):
             return digest
         mediator = nns.load_block(block, persistent)
         read(mediator, model)
+        if claimed and not _reads_last_rows(mediator, model, digest):
+            request.error = nns.capture_exception(PrefixClaimError(_CLAIM_REFUSED))
+            return None
         request.mediator = mediator
         return digest
     except (EnvelopeError, UntrustedBlockError) as error:

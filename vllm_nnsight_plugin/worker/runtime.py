@@ -93,6 +93,7 @@ class WorkerRuntime:
         self.resumed = self.preempted = 0  # requests resumed after a preemption; blocks it ended
         self.recomputing: set[str] = set()  # resumed requests whose blocks go on, until the recompute ends
         self.continued = 0  # blocks that went on through a recompute
+        self.prompt_rows_cached = 0  # traced requests' prompt tokens the prefix cache supplied
         self.sat_out = 0  # recompute chunks those blocks sat out (vLLM threw their samples away)
         self.kernels: Any = None  # the eager kernels for a compiled engine's Python steps
         self.lowering = Lowering(runner)  # requests whose blocks run on the tap tables
@@ -198,6 +199,7 @@ class WorkerRuntime:
             )
             if not seams.carries_block(data.sampling_params):
                 continue
+            self.prompt_rows_cached += seams.cached_rows(data)
             # A lowered block counts one step per forward; a prompt split by
             # chunked prefill (the Python path refuses it, with its reason) is
             # never lowered.
@@ -699,6 +701,7 @@ class WorkerRuntime:
                 "taps": round(self.step_seconds[TAPS], 6),
             },
             "resumed": self.resumed,
+            "prompt_rows_cached": self.prompt_rows_cached,
             "preempted_blocks": self.preempted,
             "continued_blocks": self.continued,
             "recompute_chunks_sat_out": self.sat_out,
