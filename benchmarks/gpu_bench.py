@@ -31,7 +31,9 @@ length (32), so that no figure depends on one setting.
 tap, e.g. ``model.layers.*.output`` for every layer (the jobs still use ``LAYER``).
 ``GPU_BENCH_IDLE_ONLY=1`` stops after the plain jobs (what the plugin costs an idle engine);
 ``GPU_BENCH_JOBS=patch`` runs the tapped engine's plain jobs, then patching alone
-(``at_taps``: the blocks that run as Python at the taps alone).
+(``at_taps``: the blocks that run as Python at the taps alone; ``prefix``: 1,024
+prompts sharing a 512-token prefix, plain on every engine and, on the tapped
+one, a sweep keeping one layer's last row, which shares the prefix cache).
 ``GPU_BENCH_REAL=1`` loads real weights (e.g. SmolLM2) instead of dummy ones;
 ``GPU_BENCH_SMALL=1`` shrinks everything for a dry run of the script on a CPU.
 
@@ -529,6 +531,48 @@ def sweep(model, batch) -> list:
     return last
 
 
+def shared_prefix(n: int, run: int, prefix: int = 512, own: int = 16) -> list[list[int]]:
+    """``n`` prompts of one ``prefix``-token prefix no earlier run used (a template
+    or a system prompt), each with ``own`` tokens of its own after it."""
+    ids = 1000
+    if os.environ.get("GPU_BENCH_SMALL"):  # (a tiny vocabulary)
+        prefix, own, ids = 24, 4, 400
+    shared = [run % ids + 1] + [(31 * run + 7 * j) % ids + 1 for j in range(prefix - 1)]
+    return [
+        shared + [i % ids + 1, i // ids + 1] + [(13 * i + j) % ids + 1 for j in range(own - 2)]
+        for i in range(n)
+    ]
+
+
+def prefix_jobs(llm, name: str, repeats: int, model=None) -> None:
+    """``SWEEP`` prompts sharing a fresh 512-token prefix, one token each: plain
+    (``prefix_plain``), and with the tapped engine's ``model`` a sweep keeping one
+    layer's last row (``prefix_sweep``), which shares the prefix cache as the plain
+    requests do (``prefix.py``); ``prefix_path``: the prompt rows the cache gave
+    traced requests."""
+    from vllm import SamplingParams
+
+    one = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+    runs = itertools.count(500)
+    llm.generate(shared_prefix(8, next(runs)), one, use_tqdm=False)  # warm-up
+    if model is not None:
+        sweep(model, shared_prefix(8, next(runs)))
+    for _ in range(repeats):
+        batch = shared_prefix(SWEEP, next(runs))
+        wall = timed(lambda batch=batch: llm.generate(batch, one, use_tqdm=False))
+        result(engine=name, job="prefix_plain", ms=round(1000 * wall, 1))
+        if model is not None:
+            batch = shared_prefix(SWEEP, next(runs))
+            result(
+                engine=name,
+                job="prefix_sweep",
+                ms=round(1000 * timed(lambda batch=batch: sweep(model, batch)), 1),
+            )
+    if model is not None:
+        (stats,) = llm.collective_rpc("nnsight_stats")
+        result(engine=name, job="prefix_path", prompt_rows_cached=stats["prompt_rows_cached"])
+
+
 def trace1(model, ids):
     with model.trace(ids, temperature=0.0, max_tokens=1, detokenize=False):
         logits = model.logits.save()
@@ -598,6 +642,9 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
     batches = [fresh_prompts(SWEEP, run) for run in range(3)]
     walls = [timed(functools.partial(llm.generate, batch, one, use_tqdm=False)) for batch in batches]
     result(engine=name, job="plain_sweep", ms=round(1000 * statistics.median(walls), 1))
+    prefixed = os.environ.get("GPU_BENCH_JOBS") == "prefix"
+    if prefixed and (plugin == "off" or kind != "taps"):
+        prefix_jobs(llm, name, repeats)
     if plugin == "off" or os.environ.get("GPU_BENCH_IDLE_ONLY"):
         return
 
@@ -606,6 +653,9 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
     model = VLLM(llm)
     if kind == "taps" and os.environ.get("GPU_BENCH_JOBS") == "patch":  # that job alone
         patch_jobs(model, llm, name, repeats, few)
+        return
+    if kind == "taps" and prefixed:  # those jobs alone
+        prefix_jobs(llm, name, repeats, model)
         return
     if kind == "taps" and os.environ.get("GPU_BENCH_JOBS") == "at_taps":  # those jobs alone
         at_taps_jobs(model, llm, name, repeats, few, params)
@@ -794,7 +844,8 @@ def at_taps_jobs(model, llm, name: str, repeats: int, few: list, params) -> None
             list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids) for a, b in zip(at_taps, lowered)
         ),
         differs_from_plain=sum(
-            list(a.outputs[0].token_ids)[:16] != list(b.outputs[0].token_ids)[:16] for a, b in zip(at_taps, plain)
+            list(a.outputs[0].token_ids)[:16] != list(b.outputs[0].token_ids)[:16]
+            for a, b in zip(at_taps, plain)
         ),
         paths=sorted({str(getattr(o, "nnsight_path", {}).get("form")) for o in at_taps + lowered}),
         of=len(checked),
@@ -951,7 +1002,9 @@ def profile_engine(path: str, graphs: bool = False, taps: bool = False) -> None:
         # prefill: piece graphs), where the time between pieces goes
         # (with ``VLLM_NNSIGHT_SPLIT_AT_TAPS=1``, the taps run as Python there)
         jobs["at_taps"] = lambda: halve_if_large(model, unique(CONCURRENT), 32, among_plain=llm)
-        jobs["plain1"] = lambda: [llm.generate([p], one, use_tqdm=False) for p in fresh_prompts(10, next(runs))]
+        jobs["plain1"] = lambda: [
+            llm.generate([p], one, use_tqdm=False) for p in fresh_prompts(10, next(runs))
+        ]
         wanted = [j for j in os.environ.get("GPU_BENCH_PROFILE_JOBS", "").split(",") if j]
         jobs = {job: fn for job, fn in jobs.items() if not wanted or job in wanted}
     elif graphs:
