@@ -123,3 +123,17 @@ def test_a_claim_its_block_does_not_bear_out_fails_that_request_only(smol, smoll
     assert outs[1].num_cached_tokens > 0  # it read the cache: its block never ran
     assert list(outs[0].outputs[0].token_ids) == list(alone.outputs[0].token_ids)
     assert smollm2_llm.collective_rpc("nnsight_tracked") == [0]
+
+
+def test_a_trace_claims_only_where_every_invoke_qualifies_with_its_own_values(smol):
+    """An ``if`` on a captured value decides what each invoke's block does: the
+    claim is read per invoke with its own values, and made only if all qualify."""
+    for order in ([None, 3], [3, None], [None, None]):
+        with smol.requests(temperature=0.0, max_tokens=1) as tracer:
+            for index in order:
+                with tracer.invoke(PREFIX):
+                    if index is not None:
+                        smol.model.layers[index].output[0][:] = 0
+                    p = smol.logits.save()  # noqa: F841
+        claims = [param.extra_args.get(CLAIM_KEY) for param in tracer.prepared.params]
+        assert claims == ([LAST_ROWS] * 2 if order == [None, None] else [None, None]), order

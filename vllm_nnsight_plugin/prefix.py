@@ -28,6 +28,7 @@ and nothing written (``worker/writes.may_write``). Reads of ``model.logits`` and
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -83,6 +84,16 @@ def last_rows_only(
         if module is None or not returns_tuple(type(module)):
             return False
     return not may_write(source, scope, model, tracer_type)
+
+
+@functools.lru_cache(maxsize=256)
+def names_used(source: str | None) -> tuple[str, ...]:
+    """The names a block's source reads (what of its captured values can matter)."""
+    try:
+        tree = ast.parse(source or "")
+    except SyntaxError:
+        return ()
+    return tuple(sorted({n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}))
 
 
 def _last_row(rest: tuple) -> bool:

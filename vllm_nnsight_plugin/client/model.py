@@ -38,12 +38,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from nnsight.modeling.vllm.async_backend import AsyncVLLMBackend
 from nnsight.modeling.vllm.vllm import VLLM as _NNsightVLLM
 from nnsight.tracing.backend import Backend
 
-from ..prefix import CLAIM_KEY, LAST_ROWS, last_rows_only
+from ..prefix import CLAIM_KEY, LAST_ROWS, last_rows_only, names_used
 from ..versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT, UnsupportedVersion, check_nnsight
 from ..wire.edits import EDITS_KEY, encode_choice
 from ..wire.envelope import EXTRA_ARGS_KEY, seal
@@ -93,8 +92,8 @@ def _untapped_message(location: str) -> str:
     )
 
 
-def _inert(value: Any) -> bool:
-    return value is None or isinstance(value, (bool, int, float, str, bytes, torch.Tensor))
+def _plain_value(value: Any) -> bool:
+    return value is None or type(value) in (bool, int, float, str, bytes)
 
 
 def served_xargs(extra: dict) -> dict:
@@ -344,9 +343,16 @@ class VLLM(Edits, _NNsightVLLM):
 
         def qualifies(mediator: Any) -> bool:
             source, scope = block_of(mediator)
-            # (a number, a string or a tensor is neither a module nor a function:
-            # invokes that differ only in those read alike)
-            key = (source, tuple((name, id(value)) for name, value in scope.items() if not _inert(value)))
+            # the values of the names the block uses: a plain one by its value (an
+            # ``if`` on it picks what the block does), any other by its identity
+            key = (
+                source,
+                tuple(
+                    (name, scope[name] if _plain_value(scope[name]) else id(scope[name]))
+                    for name in names_used(source)
+                    if name in scope
+                ),
+            )
             if key not in known:
                 known[key] = last_rows_only(source, scope, self, module_at, InterleavingTracer)
             return known[key]
