@@ -961,7 +961,9 @@ def profile_engine(path: str, graphs: bool = False, taps: bool = False) -> None:
     capture of 1,000 x 128 and steering of 256 x 128, beside plain 1,000 x 128, ten
     logit lenses beside ten one-token traces, patching (64 x 16), where every
     layer is tapped the probe (64 x 128), one block at the taps among 63 plain
-    requests (x 32, ``at_taps``) and ten plain one-token calls (``plain1``);
+    requests (x 32, ``at_taps``) and ten plain one-token calls (``plain1``), and
+    1,024 prompts sharing a 512-token prefix, plain and as a last-row sweep
+    (``prefix_plain``, ``prefix_sweep``);
     ``GPU_BENCH_PROFILE_JOBS`` (comma-separated names) picks some."""
     import cProfile
 
@@ -1005,6 +1007,10 @@ def profile_engine(path: str, graphs: bool = False, taps: bool = False) -> None:
         jobs["plain1"] = lambda: [
             llm.generate([p], one, use_tqdm=False) for p in fresh_prompts(10, next(runs))
         ]
+        # prompts sharing a 512-token prefix: plain, and a last-row sweep that shares
+        # the prefix cache (``prefix.py``)
+        jobs["prefix_plain"] = lambda: llm.generate(shared_prefix(SWEEP, next(runs)), one, use_tqdm=False)
+        jobs["prefix_sweep"] = lambda: sweep(model, shared_prefix(SWEEP, next(runs)))
         wanted = [j for j in os.environ.get("GPU_BENCH_PROFILE_JOBS", "").split(",") if j]
         jobs = {job: fn for job, fn in jobs.items() if not wanted or job in wanted}
     elif graphs:
