@@ -332,12 +332,9 @@ class VLLM(Edits, _NNsightVLLM):
         meta = self.__dict__.get("_module")
         if meta is None or not mediators:
             return
+        from ..taps.replay import modules_of
 
-        def module_at(path: str) -> Any:
-            try:
-                return meta.get_submodule(path) if path else meta
-            except AttributeError:
-                return None
+        module_at = modules_of(meta)
 
         known: dict[tuple, bool] = {}  # invokes of one block with the same captured objects
 

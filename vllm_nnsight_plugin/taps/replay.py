@@ -174,6 +174,19 @@ def _bound(source: str) -> frozenset[str]:
     return frozenset(names)
 
 
+def modules_of(root: Any) -> Any:
+    """A ``module_at`` for a model's root module: its module at a path relative
+    to it, or None where it has none."""
+
+    def module_at(path: str) -> Any:
+        try:
+            return root.get_submodule(path) if path else root
+        except AttributeError:
+            return None
+
+    return module_at
+
+
 def replayable(
     source: str | None, scope: dict[str, Any], model: Any, tables: Any, module_at: Any = None
 ) -> tuple[int, ...] | Unlowered:

@@ -117,15 +117,10 @@ def _reads_last_rows(mediator: Any, model: Any, digest: bytes) -> bool:
     known = _LAST_ROWS.get(digest)
     if known is not None:
         return known
-    root = nns.envoy_module(model)
-
-    def module_at(path: str) -> Any:
-        try:
-            return root.get_submodule(path) if path else root
-        except AttributeError:
-            return None
+    from ..taps.replay import modules_of
 
     source, scope = nns.block_source(mediator), nns.block_scope(mediator)
+    module_at = modules_of(nns.envoy_module(model))
     try:
         found = last_rows_only(source, scope, model, module_at, nns.InterleavingTracer)
     except Exception:  # noqa: BLE001 - any doubt: the claim does not hold

@@ -403,14 +403,7 @@ def _overflow(lowered: Any, request_id: str) -> Exception:
 
 def _modules(model: Any) -> Any:
     """The model's module at a path relative to it, or None."""
+    from ..taps.replay import modules_of
     from . import _nnsight as nns
 
-    root = nns.envoy_module(model)
-
-    def module_at(path: str) -> Any:
-        try:
-            return root.get_submodule(path) if path else root
-        except AttributeError:
-            return None
-
-    return module_at
+    return modules_of(nns.envoy_module(model))
