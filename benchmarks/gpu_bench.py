@@ -1102,21 +1102,24 @@ def table(*paths: Path) -> str:
     files = [p / "results.jsonl" if p.is_dir() else p for p in paths]
     rows = [json.loads(line) for f in files for line in f.read_text().splitlines() if line]
     by: dict[tuple[str, str], list[float]] = {}
+    rows_of: dict[tuple[str, str], dict] = {}  # a row of each, for its unit
     for row in rows:
         value = row.get("tok_s", row.get("ms"))
         if value is not None and not row["engine"].startswith("profile"):
             by.setdefault((row["engine"], row["job"]), []).append(value)
+            rows_of[(row["engine"], row["job"])] = row
     median = {key: statistics.median(values) for key, values in by.items()}
     base = median.get(("off-graphs", "plain"))
     base1000 = median.get(("off-graphs", "plain1000"))
     forward = median.get(("off-graphs", "forward"))
     swept = median.get(("off-graphs", "plain_sweep"))
+    prefixed = median.get(("off-graphs", "prefix_plain"))
     lines = [
         "| engine | job | median | runs | vs plain vLLM (graphs) |",
         "| --- | --- | ---: | ---: | ---: |",
     ]
     for (engine, job), values in sorted(by.items()):
-        unit = "ms" if job in ("forward", "lens", "trace1", "sweep", "plain_sweep") else "tok/s"
+        unit = "ms" if "ms" in rows_of[(engine, job)] else "tok/s"
         ref = base1000 if job in ("plain1000", "capture1000") else base
         ref = median.get(("off-graphs", "plain16")) if job in ("plain16", "patch") else ref
         ref = median.get(("off-graphs", "plain256")) if job in ("plain256", "steer256") else ref
@@ -1128,6 +1131,8 @@ def table(*paths: Path) -> str:
             ratio = f"+{median[(engine, job)] - forward:.2f} ms over a plain forward" if forward else ""
         elif job in ("sweep", "plain_sweep"):
             ratio = f"{median[(engine, job)] / swept:.2f}x plain time" if swept else ""
+        elif job in ("prefix_plain", "prefix_sweep"):
+            ratio = f"{median[(engine, job)] / prefixed:.2f}x plain time" if prefixed else ""
         elif unit == "tok/s" and ref:
             ratio = f"{median[(engine, job)] / ref:.3f}"
         else:

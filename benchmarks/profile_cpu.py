@@ -19,7 +19,10 @@ step; ``capture`` 64 x 16 keeping layer L's output every step; ``prompt_read``
 64 x 16 keeping layer L's last prompt row; ``probe`` 64 x 16 keeping every
 layer's last row every step (``--every-layer`` taps them all, so it is lowered);
 ``patch`` 64 x 16, each request patching one prompt position of layer L with a
-clean prompt's rows (activation patching, as the patching page writes it).
+clean prompt's rows (activation patching, as the patching page writes it);
+``prefix`` the ``sweep`` on ``--sweep`` prompts sharing a 512-token prefix,
+each with 16 tokens of its own (``gpu_bench.shared_prefix``): the traced
+requests read the prefix cache, as the plain ones do.
 """
 
 from __future__ import annotations
@@ -111,7 +114,7 @@ def main() -> None:
     llm = LLM(
         build_model(folder, args.layers),
         dtype="float32",
-        max_model_len=512,
+        max_model_len=1024,
         enforce_eager=True,
         gpu_memory_utilization=0.3,
         kv_cache_memory_bytes=1 << 30,
@@ -146,6 +149,14 @@ def main() -> None:
         params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False)
         llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids(n)], params, use_tqdm=False)
 
+    def shared(n: int) -> list:
+        prompts = blocks.shared_prefix(n, 700 + next(runs))  # (into the tiny vocabulary)
+        return [TokensPrompt(prompt_token_ids=[t % 400 + 2 for t in p]) for p in prompts]
+
+    def plain_shared(n: int) -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+        llm.generate(shared(n), params, use_tqdm=False)
+
     jobs = {  # (traced, plain); the blocks are the GPU benchmark's own
         "sweep": (lambda: blocks.sweep(model, ids(args.sweep)), lambda: plain(args.sweep, 1)),
         "forward": (lambda: blocks.trace1(model, ids(1)[0]), lambda: plain(1, 1)),
@@ -162,6 +173,10 @@ def main() -> None:
         "patch": (
             lambda: blocks.patch(model, ids(args.batch), 16, clean()),
             lambda: plain(args.batch, 16),
+        ),
+        "prefix": (
+            lambda: blocks.sweep(model, [p["prompt_token_ids"] for p in shared(args.sweep)]),
+            lambda: plain_shared(args.sweep),
         ),
     }
     for name in args.jobs.split(","):

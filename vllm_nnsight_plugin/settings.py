@@ -28,6 +28,7 @@ not read).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -303,7 +304,20 @@ def check(environ: Mapping[str, str] | None = None) -> None:
 
 def blocks_off(environ: Mapping[str, str] | None = None) -> str | None:
     """Why this engine runs no block (None: its settings allow them): a setting it
-    reads holds a value it cannot use. Refusals quote it."""
+    reads holds a value it cannot use. Refusals quote it.
+
+    The front end asks for every request with a block: the answer is kept per
+    set of raw values, so a request pays a lookup of each variable, not a parse."""
+    environ = os.environ if environ is None else environ
+    return _blocks_off(tuple(environ.get(name) for name in _ENGINE_NAMES))
+
+
+_ENGINE_NAMES = tuple(setting.name for setting in SETTINGS if setting.reader == ENGINE)
+
+
+@functools.lru_cache(maxsize=8)
+def _blocks_off(raw: tuple[str | None, ...]) -> str | None:
+    environ = {name: text for name, text in zip(_ENGINE_NAMES, raw, strict=True) if text is not None}
     found = problems(environ, ENGINE)
     if not found:
         return None

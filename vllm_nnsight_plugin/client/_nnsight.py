@@ -39,6 +39,7 @@ from typing import Any
 import nnsight.intervention.serialization as serialization
 import nnsight.modeling.vllm.vllm as nnsight_vllm
 import torch
+from nnsight.intervention.envoy import Envoy  # noqa: F401 - a module of the model, as the client sees it
 from nnsight.intervention.interleaver import Mediator
 from nnsight.intervention.tracer import InterleavingTracer  # noqa: F401 - the client's name for it (model.py)
 from nnsight.tracing.tracer import Tracer

@@ -43,15 +43,17 @@ from nnsight.modeling.vllm.vllm import VLLM as _NNsightVLLM
 from nnsight.tracing.backend import Backend
 
 from ..prefix import CLAIM_KEY, LAST_ROWS, last_rows_only, names_used
+from ..returns.outputs import RESULT_KEY, UNREAD
 from ..versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT, UnsupportedVersion, check_nnsight
 from ..wire.edits import EDITS_KEY, encode_choice
 from ..wire.envelope import EXTRA_ARGS_KEY, seal
 from ..wire.references import envoys_by_reference
 from ..wire.trust import VOUCHED_KEY, Vouched, operator_key
-from ._nnsight import InterleavingTracer, block_of, one_pickle_per_block, reattach_caches, reduce_once
+from ._nnsight import Envoy, InterleavingTracer, block_of, one_pickle_per_block, reattach_caches, reduce_once
 from .edits import Edits
 from .standalone import SamplingParams as _StandInParams
 from .standalone import vllm_installed, vllm_stand_ins
+from .unread import reads_result
 
 #: The key to sign blocks with while requests for a server are being built (a
 #: context variable: traces may be built on several threads or tasks at once).
@@ -96,14 +98,30 @@ def _plain_value(value: Any) -> bool:
     return value is None or type(value) in (bool, int, float, str, bytes)
 
 
+def _say_result_unread(mediators: list, params: list) -> None:
+    """On each request whose block cannot read ``tracer.result``, say so: the front
+    end then does not send its finished output back to the workers to collect it
+    (``returns/outputs.RESULT_KEY``)."""
+    for mediator, param in zip(mediators, params, strict=False):
+        try:
+            source, scope = block_of(mediator)
+            unread = not reads_result(source, scope, InterleavingTracer, Envoy)
+        except Exception:  # noqa: BLE001 - any doubt: the output goes, as always
+            unread = False
+        if unread:
+            param.extra_args[RESULT_KEY] = UNREAD
+
+
 def served_xargs(extra: dict) -> dict:
     """What of a request's ``extra_args`` travels to a server as ``vllm_xargs``: the
-    block, and a choice of edits as a JSON string (vLLM 0.25 takes no lists there)."""
+    block, a choice of edits as a JSON string (vLLM 0.25 takes no lists there), and
+    what the client says of the block (its prefix claim, its unread result)."""
     xargs = {EXTRA_ARGS_KEY: extra[EXTRA_ARGS_KEY]} if EXTRA_ARGS_KEY in extra else {}
     if extra.get(EDITS_KEY) is not None:
         xargs[EDITS_KEY] = encode_choice(extra[EDITS_KEY])
-    if extra.get(CLAIM_KEY) is not None:
-        xargs[CLAIM_KEY] = extra[CLAIM_KEY]
+    for key in (CLAIM_KEY, RESULT_KEY):
+        if extra.get(key) is not None:
+            xargs[key] = extra[key]
     return xargs
 
 
@@ -322,6 +340,7 @@ class VLLM(Edits, _NNsightVLLM):
             attached = super()._attach_mediators(params, **kwargs)
         _seal_params(params, len(attached), _SERVER_KEY.get())
         self._claim_last_rows(attached, params)
+        _say_result_unread(attached, params)
         self._say_untapped(attached)
         return attached
 

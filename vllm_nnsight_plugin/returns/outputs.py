@@ -31,6 +31,41 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+#: Where a client says that no block of a request reads ``tracer.result``
+#: (``extra_args``; ``vllm_xargs`` for a server). The front end then keeps that
+#: request's finished output out of what it sends the workers to collect, a
+#: pickle of every prompt token each way: the one cost of a collect that grows
+#: with the prompt. A block that reads it after all finds it never served, an
+#: error of that request alone. Ignored where installed edits were on the engine
+#: when the request came in (an edit's copy may read it).
+RESULT_KEY = "nnsight_result"
+#: The value that says it.
+UNREAD = "unread"
+
+
+def note_result_unread(engine: Any, request_id: str, params: Any, edits_installed: bool) -> None:
+    """Remember a request whose finished output no block reads (see :data:`RESULT_KEY`)."""
+    extra = getattr(params, "extra_args", None) or {}
+    if extra.get(RESULT_KEY) == UNREAD and not edits_installed:
+        engine.__dict__.setdefault("_nnsight_unread", set()).add(request_id)
+
+
+def finished_for_workers(engine: Any, outputs: list) -> bytes:
+    """The finished outputs the workers may serve as ``tracer.result`` (pickled);
+    the requests are forgotten as unread."""
+    import pickle
+
+    unread = engine.__dict__.get("_nnsight_unread") or ()
+    sent = {o.request_id: o for o in outputs if o.request_id not in unread}
+    forget_unread(engine, [o.request_id for o in outputs])
+    return pickle.dumps(sent)
+
+
+def forget_unread(engine: Any, request_ids: list[str]) -> None:
+    unread = engine.__dict__.get("_nnsight_unread")
+    if unread:
+        unread.difference_update(request_ids)
+
 
 class BlockError(RuntimeError):
     """Raised by :func:`saves` for an output that has no saves to give: its request
@@ -161,8 +196,6 @@ class _Collector:
         await done
 
     async def _flush(self) -> None:
-        import pickle
-
         from ..seams.frontend import rpc_every_engine
 
         batch, self.waiting = self.waiting, []
@@ -171,7 +204,7 @@ class _Collector:
             replies = await rpc_every_engine(
                 self.engine,
                 "nnsight_collect",
-                ([o.request_id for o in outputs], pickle.dumps({o.request_id: o for o in outputs})),
+                ([o.request_id for o in outputs], finished_for_workers(self.engine, outputs)),
             )
             attach_collected(outputs, replies)
         except BaseException as error:
@@ -256,6 +289,7 @@ async def traced_stream(
                         on_finished(output)
             yield output
     finally:
+        forget_unread(engine, [request_id])
         if in_flight is not None:
             in_flight.discard(request_id)
         if not finished:

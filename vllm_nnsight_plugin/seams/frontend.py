@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import copy
 import functools
-import pickle
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -237,7 +236,8 @@ def reaches_every_engine() -> bool:
     from vllm.v1.engine.core_client import AsyncMPClient, MPClient
 
     return hasattr(AsyncMPClient, "call_utility_all_async") or (
-        hasattr(AsyncMPClient, "_call_utility_async") and "core_engines" in MPClient.__init__.__code__.co_names
+        hasattr(AsyncMPClient, "_call_utility_async")
+        and "core_engines" in MPClient.__init__.__code__.co_names
     )
 
 
@@ -272,9 +272,12 @@ def patch_llm_engine() -> None:
         ) -> Any:
             result = original(self, request_id, prompt, params, *args, **kwargs)
             if carries_block(params) or _took_mark(self, request_id):
+                from ..returns.outputs import note_result_unread
+
                 # The finished RequestOutput carries the caller's (external) id;
                 # the engine's internal one adds a random suffix.
                 self.__dict__.setdefault("_nnsight_pending", set()).add(request_id)
+                note_result_unread(self, request_id, params, _edits_installed(self))
             return result
 
         return add_request
@@ -286,13 +289,12 @@ def patch_llm_engine() -> None:
             if pending:
                 finished = [o for o in outputs if getattr(o, "finished", False) and o.request_id in pending]
                 if finished:
-                    from ..returns.outputs import attach_collected
+                    from ..returns.outputs import attach_collected, finished_for_workers
 
                     ids = [o.request_id for o in finished]
                     pending.difference_update(ids)
                     replies = self.collective_rpc(
-                        "nnsight_collect",
-                        args=(ids, pickle.dumps({o.request_id: o for o in finished})),
+                        "nnsight_collect", args=(ids, finished_for_workers(self, finished))
                     )
                     attach_collected(finished, replies)
             return outputs
@@ -307,7 +309,10 @@ def patch_llm_engine() -> None:
                 ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
                 dropped = [rid for rid in ids if rid in pending]
                 if dropped:
+                    from ..returns.outputs import forget_unread
+
                     pending.difference_update(dropped)
+                    forget_unread(self, dropped)
                     # Wind up the aborted requests' blocks so no state outlives them.
                     self.collective_rpc("nnsight_collect", args=(dropped, None))
             return result
@@ -345,6 +350,10 @@ def patch_async_llm() -> None:
                 )
             stream = original(self, prompt, sampling_params, request_id, *args, **kwargs)
             in_flight.add(request_id)  # until the stream ends (``traced_stream``)
+            if traced:
+                from ..returns.outputs import note_result_unread
+
+                note_result_unread(self, request_id, sampling_params, _edits_installed(self))
             collector = current()  # set while the OpenAI handler runs
             if collector is not None:
                 collector.started(request_id)

@@ -604,7 +604,8 @@ class WorkerRuntime:
         """Wind up finished requests' blocks and return their saves and errors.
 
         ``outputs`` are the finished ``RequestOutput`` objects (pickled), which
-        serve ``tracer.result``; None only winds up (an aborted request). One
+        serve ``tracer.result``, of the requests whose blocks may read it
+        (``returns/outputs.RESULT_KEY``); None only winds up (an aborted request). One
         reply part per request id, packed on its own, then the pool of saved
         tensors they refer to (``collect.py``).
         """
