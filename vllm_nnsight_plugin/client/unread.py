@@ -12,6 +12,7 @@ model's modules (a function's or an object's code could hold a tracer).
 from __future__ import annotations
 
 import ast
+import functools
 import types
 from typing import Any
 
@@ -23,28 +24,36 @@ _STEPS = frozenset({"iter", "all", "invoke", "stop", "cache", "next"})
 
 def reads_result(source: str | None, scope: dict[str, Any], tracer_type: type, envoy_type: type) -> bool:
     """Whether a block may read ``tracer.result``; any doubt is True."""
-    if not source or "result" in source:
+    read = _read(source or "")
+    if read is None:
         return True
+    bare, called = read
+    for name in bare:
+        if isinstance(scope.get(name), tracer_type):
+            return True  # a tracer handed on whole
+    plain = (types.ModuleType, torch.Tensor, envoy_type, tracer_type)
+    return any(name in scope and not isinstance(scope[name], plain) for name in called)
+
+
+@functools.lru_cache(maxsize=256)
+def _read(source: str) -> tuple[frozenset[str], frozenset[str]] | None:
+    """What of a block's source can reach a result, read once per source: the names
+    used other than through a tracer's steps, and the names calls start from; None
+    where the source names ``result`` or does not parse."""
+    if not source or "result" in source:
+        return None
     try:
         tree = ast.parse(source)
     except SyntaxError:
-        return True
-    tracers = {name for name, value in scope.items() if isinstance(value, tracer_type)}
-    used: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
-            if node.value.id in tracers and node.attr in _STEPS:
-                used.add(id(node.value))
-    plain = (types.ModuleType, torch.Tensor, envoy_type)
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Name) and node.id in tracers and id(node) not in used:
-            return True
-        if isinstance(node, ast.Call):
-            root = _root(node.func)
-            if root is not None and root in scope and root not in tracers:
-                if not isinstance(scope[root], plain):
-                    return True
-    return False
+        return None
+    through_steps = {
+        id(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.attr in _STEPS
+    }
+    bare = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and id(node) not in through_steps}
+    called = {_root(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
+    return frozenset(bare), frozenset(name for name in called if name is not None)
 
 
 def _root(node: ast.expr) -> str | None:
