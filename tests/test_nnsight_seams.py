@@ -27,7 +27,14 @@ def test_installed_nnsight_is_the_supported_one():
     assert nnsight.__version__ == SUPPORTED_NNSIGHT
 
 
-TOUCHES = nns.TOUCHES + client_nns.TOUCHES + client_edits.TOUCHES + cached.TOUCHES + source.TOUCHES
+TOUCHES = (
+    nns.TOUCHES
+    + client_nns.TOUCHES
+    + client_nns.OVERRIDES
+    + client_edits.TOUCHES
+    + cached.TOUCHES
+    + source.TOUCHES
+)
 
 
 @pytest.mark.parametrize("module, path", TOUCHES, ids=[f"{m}:{p}" for m, p in TOUCHES])
@@ -36,6 +43,24 @@ def test_every_nnsight_name_resolves(module, path):
     for part in path.split("."):
         assert hasattr(found, part), f"{module}.{path} is gone"
         found = getattr(found, part)
+
+
+def test_the_client_overrides_exactly_the_private_methods_it_lists():
+    """Each listed override is defined by the client's class and still nnsight's
+    (above); a private method of nnsight's that the client overrides unlisted fails
+    here, so the list is the whole of it."""
+    from vllm_nnsight_plugin.client.model import _AsyncBackend
+
+    listed = {path.rsplit(".", 1)[1] for _, path in client_nns.OVERRIDES}
+    found = set()
+    for ours in (VLLM, _AsyncBackend):
+        for name in vars(ours):
+            if name.startswith("_") and not name.startswith("__"):
+                if any(
+                    name in vars(base) for base in ours.__mro__[1:] if base.__module__.startswith("nnsight")
+                ):
+                    found.add(name)
+    assert found == listed
 
 
 def test_instance_state_the_worker_reads_exists():

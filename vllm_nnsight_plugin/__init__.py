@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .errors import PluginError
 from .versions import PLUGIN_VERSION as __version__
 
 if TYPE_CHECKING:
@@ -24,6 +25,7 @@ __all__ = [
     "connect",
     "ServeError",
     "BlockError",
+    "PluginError",
     "saves",
     "__version__",
 ]

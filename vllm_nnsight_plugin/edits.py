@@ -27,6 +27,7 @@ import inspect
 import json
 from typing import Any
 
+from .errors import PluginError
 from .wire.edits import MAX_NAME_CHARS, EditChoiceError, select, wanted
 from .wire.trust import EDITS_KEY, local_signature
 
@@ -37,7 +38,7 @@ BOOK_ATTR = "_vllm_nnsight_edits"
 _MARKED_LIMIT = 1 << 16
 
 
-class EditError(RuntimeError):
+class EditError(PluginError, RuntimeError):
     """An edit could not be installed or cleared; the message says why."""
 
 

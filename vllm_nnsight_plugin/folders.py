@@ -19,10 +19,12 @@ import os
 import stat
 from collections.abc import Iterator
 
+from .errors import PluginError
+
 _FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-class UnsafeFolderError(PermissionError):
+class UnsafeFolderError(PluginError, PermissionError):
     """A folder the plugin trusts could be changed by another user."""
 
 

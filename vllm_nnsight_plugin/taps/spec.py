@@ -23,6 +23,8 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from ..errors import PluginError
+
 #: Where an engine's taps travel: vLLM's ``additional_config`` (hashed into the
 #: compile cache's key, so a tapped and an untapped engine never share graphs).
 CONFIG_KEY = "nnsight_taps"
@@ -54,7 +56,7 @@ LAYER_LISTS = (
 )
 
 
-class TapError(ValueError):
+class TapError(PluginError, ValueError):
     """A tap pattern that names nothing this model has."""
 
 

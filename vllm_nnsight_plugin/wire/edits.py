@@ -29,6 +29,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from ..errors import PluginError
 from .trust import EDITS_KEY as EDITS_KEY  # defined beside the other keys the front end inspects
 from .trust import MARK_KEY as MARK_KEY
 from .trust import MIN_KEY_CHARS, NonceBook, UntrustedBlockError, local_key, made_since_serving, max_ttl_s
@@ -41,7 +42,7 @@ _COMMAND_VERSION = "v2"
 MAX_NAMES, MAX_NAME_CHARS = 64, 128
 
 
-class EditChoiceError(ValueError):
+class EditChoiceError(PluginError, ValueError):
     """A request's ``edits=`` is malformed or names an edit nothing is installed under."""
 
 

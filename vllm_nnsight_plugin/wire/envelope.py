@@ -38,6 +38,8 @@ import time
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..errors import PluginError
+
 #: The ``extra_args`` key (and ``vllm_xargs`` key) a block rides under.
 EXTRA_ARGS_KEY = "nnsight"
 #: Format version this code writes and reads.
@@ -46,7 +48,7 @@ _PREFIX = "nns2:"
 _SIGNATURE_CHARS = 64
 
 
-class EnvelopeError(ValueError):
+class EnvelopeError(PluginError, ValueError):
     """A request's envelope was refused; the message says why and what to do."""
 
 

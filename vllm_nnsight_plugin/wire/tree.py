@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from ..errors import PluginError
+
 #: The description's format; a client refuses one it does not know.
 TREE_VERSION = 1
 #: Tokenizer files travel whole; anything larger is left out (the client then has none).
@@ -30,7 +32,7 @@ MAX_TOKENIZER_BYTES = 64 * 1024 * 1024
 _MAX_REPR_CHARS = 2000
 
 
-class TreeError(ValueError):
+class TreeError(PluginError, ValueError):
     """A server's tree description this client cannot use."""
 
 

@@ -32,6 +32,7 @@ import secrets
 import threading
 import time
 
+from ..errors import PluginError
 from ..folders import UnsafeFolderError, private_folder
 from .envelope import EXTRA_ARGS_KEY, Envelope, operator_signature, split_signature
 
@@ -68,11 +69,11 @@ def touches_trust(extra: object) -> bool:
     return isinstance(extra, dict) and any(key in extra for key in _INSPECTED)
 
 
-class UntrustedBlockError(PermissionError):
+class UntrustedBlockError(PluginError, PermissionError):
     """A block arrived without a signature this engine accepts."""
 
 
-class RefusedBlockError(ValueError):
+class RefusedBlockError(PluginError, ValueError):
     """A request carries a block nobody in this process vouched for (a bad request)."""
 
 

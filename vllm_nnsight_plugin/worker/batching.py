@@ -12,8 +12,10 @@ from __future__ import annotations
 import torch
 from nnsight.modeling.vllm.batching import VLLMBatcher
 
+from ..errors import PluginError
 
-class ReplacementShapeError(ValueError):
+
+class ReplacementShapeError(PluginError, ValueError):
     """A block replaced a value with a tensor that does not fit its rows."""
 
 

@@ -40,6 +40,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from ..errors import PluginError
+
 
 class BudgetStop(BaseException):
     """Raised in the engine's thread inside the request's code (by class: Python's
@@ -55,7 +57,7 @@ class PackStop(BudgetStop):
     pass
 
 
-class BudgetError(RuntimeError):
+class BudgetError(PluginError, RuntimeError):
     """A request's code ran past one of the engine's time budgets and was stopped."""
 
 
