@@ -129,3 +129,14 @@ def test_every_variable_the_package_names_is_listed_and_read_here():
 def test_the_operators_table_is_the_one_in_the_docs():
     docs = (PACKAGE.parent / "docs" / "security.md").read_text()
     assert settings.table() in docs
+
+
+def test_blocks_off_follows_the_environment_it_is_asked_about(monkeypatch):
+    """Kept per set of raw values (the front end asks on every request): a value
+    changed in the process's environment is read again."""
+    monkeypatch.delenv("VLLM_NNSIGHT_STEP_BUDGET_S", raising=False)
+    assert settings.blocks_off() is None
+    monkeypatch.setenv("VLLM_NNSIGHT_STEP_BUDGET_S", "soon")
+    assert "VLLM_NNSIGHT_STEP_BUDGET_S" in settings.blocks_off()
+    monkeypatch.delenv("VLLM_NNSIGHT_STEP_BUDGET_S")
+    assert settings.blocks_off() is None

@@ -65,6 +65,27 @@ def test_any_doubt_is_a_read(source, scope):
     assert _reads(source, **scope)
 
 
+def test_the_front_end_keeps_home_the_outputs_no_block_reads():
+    import pickle
+    from types import SimpleNamespace
+
+    from vllm_nnsight_plugin.returns.outputs import finished_for_workers, forget_unread, note_result_unread
+
+    engine = SimpleNamespace()
+    said = SimpleNamespace(extra_args={RESULT_KEY: UNREAD})
+    note_result_unread(engine, "a", said, edits_installed=False)
+    note_result_unread(engine, "b", SimpleNamespace(extra_args={}), edits_installed=False)
+    note_result_unread(engine, "c", said, edits_installed=True)  # an edit's copy may read it
+    outputs = [SimpleNamespace(request_id=name) for name in "abc"]
+    assert sorted(pickle.loads(finished_for_workers(engine, outputs))) == ["b", "c"]
+    assert not engine._nnsight_unread  # forgotten once collected
+    note_result_unread(engine, "d", said, edits_installed=False)
+    forget_unread(engine, ["d"])  # aborted
+    assert sorted(
+        pickle.loads(finished_for_workers(engine, outputs[:1] + [SimpleNamespace(request_id="d")]))
+    ) == ["a", "d"]
+
+
 def test_a_trace_says_it_per_invoke(smol):
     with smol.requests(temperature=0.0, max_tokens=1) as tracer:
         with tracer.invoke("One"):
