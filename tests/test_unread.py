@@ -71,7 +71,7 @@ def test_the_front_end_keeps_home_the_outputs_no_block_reads():
 
     from vllm_nnsight_plugin.returns.outputs import finished_for_workers, forget_unread, note_result_unread
 
-    engine = SimpleNamespace()
+    engine = SimpleNamespace(input_processor=SimpleNamespace())
     said = SimpleNamespace(extra_args={RESULT_KEY: UNREAD})
     note_result_unread(engine, "a", said, edits_installed=False)
     note_result_unread(engine, "b", SimpleNamespace(extra_args={}), edits_installed=False)
@@ -84,6 +84,13 @@ def test_the_front_end_keeps_home_the_outputs_no_block_reads():
     assert sorted(
         pickle.loads(finished_for_workers(engine, outputs[:1] + [SimpleNamespace(request_id="d")]))
     ) == ["a", "d"]
+    # an edit installed after the request started marked it: its copies may read the result
+    from vllm_nnsight_plugin.edits import BOOK_ATTR, EditBook
+
+    book = engine.input_processor.__dict__[BOOK_ATTR] = EditBook()
+    note_result_unread(engine, "e", said, edits_installed=False)
+    book.mark("e")
+    assert list(pickle.loads(finished_for_workers(engine, [SimpleNamespace(request_id="e")]))) == ["e"]
 
 
 def test_a_trace_says_it_per_invoke(smol):

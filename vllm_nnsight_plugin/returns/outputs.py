@@ -54,11 +54,17 @@ def note_result_unread(engine: Any, request_id: str, params: Any, edits_installe
 
 def finished_for_workers(engine: Any, outputs: list) -> bytes:
     """The finished outputs the workers may serve as ``tracer.result`` (pickled);
-    the requests are forgotten as unread."""
+    the requests are forgotten as unread. A request its input processing marked
+    for installed edits gets its output whatever its block said (an edit
+    installed between the request's start and its processing gave it copies)."""
     import pickle
 
+    from ..edits import book_of, processor_of
+
     unread = engine.__dict__.get("_nnsight_unread") or ()
-    sent = {o.request_id: o for o in outputs if o.request_id not in unread}
+    book = book_of(processor_of(engine)) if unread else None
+    marked = book.marked if book is not None else ()
+    sent = {o.request_id: o for o in outputs if o.request_id not in unread or o.request_id in marked}
     forget_unread(engine, [o.request_id for o in outputs])
     return pickle.dumps(sent)
 
