@@ -149,13 +149,13 @@ def main() -> None:
         params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False)
         llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids(n)], params, use_tqdm=False)
 
-    def shared(n: int) -> list:
+    def shared(n: int) -> list[list[int]]:
         prompts = blocks.shared_prefix(n, 700 + next(runs))  # (into the tiny vocabulary)
-        return [TokensPrompt(prompt_token_ids=[t % 400 + 2 for t in p]) for p in prompts]
+        return [[t % 400 + 2 for t in p] for p in prompts]
 
     def plain_shared(n: int) -> None:
         params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
-        llm.generate(shared(n), params, use_tqdm=False)
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in shared(n)], params, use_tqdm=False)
 
     jobs = {  # (traced, plain); the blocks are the GPU benchmark's own
         "sweep": (lambda: blocks.sweep(model, ids(args.sweep)), lambda: plain(args.sweep, 1)),
@@ -175,7 +175,7 @@ def main() -> None:
             lambda: plain(args.batch, 16),
         ),
         "prefix": (
-            lambda: blocks.sweep(model, [p["prompt_token_ids"] for p in shared(args.sweep)]),
+            lambda: blocks.sweep(model, shared(args.sweep)),
             lambda: plain_shared(args.sweep),
         ),
     }
