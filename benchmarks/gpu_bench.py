@@ -958,7 +958,8 @@ def profile_engine(path: str, graphs: bool = False, taps: bool = False) -> None:
     x 32 tokens. Graphed (``profile-graphs``): the sweep, ten one-token traces and
     ten plain one-token calls beside them, and ten logit lenses. Tapped
     (``profile-taps``, graphed, layer 18 tapped, or ``GPU_BENCH_TAPS``): the lowered
-    capture of 1,000 x 128 and steering of 256 x 128, beside plain 1,000 x 128, ten
+    capture of 1,000 x 128 and steering of 256 x 128, beside plain 1,000 x 128,
+    steering and a direction removed at 64 x 128 (``steer64``, ``remove``), ten
     logit lenses beside ten one-token traces, patching (64 x 16), where every
     layer is tapped the probe (64 x 128), one block at the taps among 63 plain
     requests (x 32, ``at_taps``) and ten plain one-token calls (``plain1``), and
@@ -995,6 +996,11 @@ def profile_engine(path: str, graphs: bool = False, taps: bool = False) -> None:
             "lens": lambda: [lens(model, few[0]) for _ in range(10)],
             "trace1": lambda: [trace1(model, few[0]) for _ in range(10)],
         }
+        # 64 x 128 steered, and the same with a direction removed: what the
+        # direction edit adds over an add
+        jobs["steer64"] = lambda: steer(model, unique(CONCURRENT), TOKENS, vector)
+        u = vector / vector.norm()
+        jobs["remove"] = lambda: project(model, unique(CONCURRENT), TOKENS, remove(u))
         rows = clean_rows(model, few[0])
         jobs["patch"] = lambda: patch(model, unique(CONCURRENT), SHORT, rows)
         if every_layer_tapped():
