@@ -12,9 +12,17 @@ it drew, for the site (``mkdocs build`` puts the output under each example).
   engine built with the same model and settings as the one before is that one;
   one with other settings shuts the earlier one down first. So the pages share
   one engine per model and settings, and never hold two.
-- With no accelerator, an engine a page builds without a ``dtype`` runs in
-  float32: vLLM's ``auto`` runs a float32 checkpoint in bfloat16 on a CPU, which
-  a CPU without bfloat16 units computes tens of times slower.
+- With no accelerator (:func:`cpu_engines`), an engine a page builds without a
+  ``dtype`` runs in float32: vLLM's ``auto`` runs a float32 checkpoint in bfloat16
+  on a CPU, which a CPU without bfloat16 units computes tens of times slower. Every
+  engine runs eager (torch.compile takes over a minute per engine on a CPU; the
+  compiled CPU engine has tests of its own, ``tests/test_compiled.py``, and which
+  path a block takes does not depend on it) with a KV cache of 1 GiB (vLLM's CPU
+  default is a share of the machine's memory, written at start: gigabytes for
+  pages that need a few MiB). A compiled engine runs a forward before it serves,
+  which is where the taps learn their values' widths; each eager engine here runs
+  one plain request when built (:meth:`_Engines.warm_up`) so that the first block
+  on it takes the path it takes on a compiled one.
 - Writes ``docs/_outputs/<page>.json`` (each block's hash and output), and runs
   with ``docs/img/`` as the working directory, where pictures are saved.
 
@@ -103,12 +111,24 @@ class _Engines:
                 engines.close()
                 engines.llm = super().__call__(*args, **kwargs)
                 engines.key = key
+                engines.warm_up()
                 engines.built += 1
                 print("ENGINE", key[:300], file=sys.stderr)
                 return engines.llm
 
         shared = Sharing("LLM", (base,), {"__module__": base.__module__, "__doc__": base.__doc__})
         vllm.LLM = shared
+
+    def warm_up(self) -> None:
+        """On a CPU (eager, :func:`cpu_engines`), one plain one-token request: a
+        compiled or graphed engine runs a forward before it serves, and the taps learn
+        their values' widths from it (``taps/install.py``, ``Tables.means``), so
+        the first block on an engine takes the path it takes on the engines users get."""
+        import torch
+        from vllm import SamplingParams
+
+        if torch.accelerator.current_accelerator() is None:
+            self.llm.generate(["Warm up."], SamplingParams(max_tokens=1), use_tqdm=False)
 
     def close(self) -> None:
         if self.llm is not None:
@@ -118,18 +138,26 @@ class _Engines:
         gc.collect()
 
 
-def float32_without_an_accelerator() -> None:
-    """See the module's docstring: ``auto`` becomes float32 on a CPU."""
+#: The KV cache of every engine on a CPU, in GiB (vLLM's own setting for it, which
+#: the servers and async engines pages start in other processes inherit).
+CPU_KV_GIB = "1"
+
+
+def cpu_engines() -> None:
+    """See the module's docstring: on a CPU, ``auto`` becomes float32, every
+    engine runs eager, and the KV cache is :data:`CPU_KV_GIB`."""
     import torch
     from vllm.engine.arg_utils import EngineArgs
 
     if torch.accelerator.current_accelerator() is not None:
         return
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_GIB)
     original = EngineArgs.__post_init__
 
     def __post_init__(self, *args, **kwargs):
         if self.dtype == "auto":
             self.dtype = "float32"
+        self.enforce_eager = True
         return original(self, *args, **kwargs)
 
     EngineArgs.__post_init__ = __post_init__
@@ -231,7 +259,7 @@ def main(argv: list[str]) -> int:
     pages = argv or engines_together(nav_pages())
     IMAGES.mkdir(parents=True, exist_ok=True)
     os.chdir(IMAGES)
-    float32_without_an_accelerator()
+    cpu_engines()
     engines = _Engines()
     engines.install()
     failed = 0
