@@ -86,7 +86,13 @@ class Maker:
     def __init__(
         self, rng: random.Random, key: str, model_name: str, canaries: Path, blocks: dict, payload_limit: int
     ) -> None:
-        self.rng, self.key, self.model_name, self.canaries, self.blocks = rng, key, model_name, canaries, blocks
+        self.rng, self.key, self.model_name, self.canaries, self.blocks = (
+            rng,
+            key,
+            model_name,
+            canaries,
+            blocks,
+        )
         self.payload_limit = payload_limit
         self.count = 0
 
@@ -110,7 +116,7 @@ class Maker:
         )
 
     def junk(self, size: int) -> str:
-        alphabet = "AZaz09+/=.:é\u202e\x00{}[]\"\\ \n" + "ž𝕏"
+        alphabet = 'AZaz09+/=.:é\u202e\x00{}[]"\\ \n' + "ž𝕏"
         return "".join(self.rng.choice(alphabet) for _ in range(size))
 
     def mutated_document(self) -> str:
@@ -118,12 +124,27 @@ class Maker:
         from vllm_nnsight_plugin.wire.envelope import ENVELOPE_VERSION, sign
 
         rng = self.rng
-        document: dict[str, Any] = {"v": ENVELOPE_VERSION, "nnsight": "0.8.1", "plugin": "0.1.0", "payload": "eA=="}
-        for name in rng.sample(["v", "nnsight", "plugin", "payload", "created", "expires", "nonce", "extra"], 3):
+        document: dict[str, Any] = {
+            "v": ENVELOPE_VERSION,
+            "nnsight": "0.8.1",
+            "plugin": "0.1.0",
+            "payload": "eA==",
+        }
+        for name in rng.sample(
+            ["v", "nnsight", "plugin", "payload", "created", "expires", "nonce", "extra"], 3
+        ):
             document[name] = rng.choice(
                 [
-                    None, True, -1, 10**40, float("1e308"), "", self.junk(rng.randint(1, 64)),
-                    [1, [2, [3]]], {"a": {"b": {}}}, "x" * rng.randint(1000, 50_000),
+                    None,
+                    True,
+                    -1,
+                    10**40,
+                    float("1e308"),
+                    "",
+                    self.junk(rng.randint(1, 64)),
+                    [1, [2, [3]]],
+                    {"a": {"b": {}}},
+                    "x" * rng.randint(1000, 50_000),
                     json.loads("[" * 200 + "]" * 200),
                 ]
             )
@@ -134,16 +155,30 @@ class Maker:
         rng, path = self.rng, "/v1/completions"
         kind = rng.choice(
             [
-                "random bytes", "truncated JSON", "mutated envelope", "not an envelope", "oversized",
-                "tampered after signing", "wrong key", "expired", "far future", "made before start",
-                "hostile xargs", "forged local signature", "forged command", "unsigned tree", "chat envelope",
+                "random bytes",
+                "truncated JSON",
+                "mutated envelope",
+                "not an envelope",
+                "oversized",
+                "tampered after signing",
+                "wrong key",
+                "expired",
+                "far future",
+                "made before start",
+                "hostile xargs",
+                "forged local signature",
+                "forged command",
+                "unsigned tree",
+                "chat envelope",
             ]
         )
         if kind == "random bytes":
             return Case(kind, path, rng.randbytes(rng.randint(0, 4096)), {"content-type": "application/json"})
         if kind == "truncated JSON":
             whole = self.completion({"nnsight": self.canary(key=self.key)})
-            return Case(kind, path, whole[: rng.randint(0, len(whole) - 1)], {"content-type": "application/json"})
+            return Case(
+                kind, path, whole[: rng.randint(0, len(whole) - 1)], {"content-type": "application/json"}
+            )
         if kind == "mutated envelope":
             return Case(kind, path, self.completion({"nnsight": self.mutated_document()}))
         if kind == "not an envelope":
@@ -162,13 +197,30 @@ class Maker:
             body, signature = split_signature(self.canary(key=self.key))
             at = rng.randrange(5, len(body))
             flipped = body[:at] + ("B" if body[at] != "B" else "C") + body[at + 1 :]
-            return Case(kind, path, self.completion({"nnsight": f"{flipped}.{signature}"}), expect=frozenset({403}))
+            return Case(
+                kind, path, self.completion({"nnsight": f"{flipped}.{signature}"}), expect=frozenset({403})
+            )
         if kind == "wrong key":
-            return Case(kind, path, self.completion({"nnsight": self.canary(key=secrets.token_hex(32))}), expect=frozenset({403}))
+            return Case(
+                kind,
+                path,
+                self.completion({"nnsight": self.canary(key=secrets.token_hex(32))}),
+                expect=frozenset({403}),
+            )
         if kind == "expired":
-            return Case(kind, path, self.completion({"nnsight": self.canary(key=self.key, ttl_s=-5)}), expect=frozenset({403}))
+            return Case(
+                kind,
+                path,
+                self.completion({"nnsight": self.canary(key=self.key, ttl_s=-5)}),
+                expect=frozenset({403}),
+            )
         if kind == "far future":
-            return Case(kind, path, self.completion({"nnsight": self.canary(key=self.key, ttl_s=10**9)}), expect=frozenset({403}))
+            return Case(
+                kind,
+                path,
+                self.completion({"nnsight": self.canary(key=self.key, ttl_s=10**9)}),
+                expect=frozenset({403}),
+            )
         if kind == "made before start":
             from vllm_nnsight_plugin.wire import envelope as wire
 
@@ -182,9 +234,15 @@ class Maker:
         if kind == "hostile xargs":
             xargs = rng.choice(
                 [
-                    [self.canary()], "nns2:", {"nnsight": {"nested": [1, 2]}}, {"nnsight_vouched": "yes", "nnsight": self.canary()},
-                    {"nnsight_edits": self.junk(100)}, {"nnsight_edits": ["x"] * 1000}, {"nnsight_edit_mark": self.junk(80)},
-                    {"nnsight_edits": '["' + "a" * 10_000 + '"]'}, {str(i): i for i in range(2000)},
+                    [self.canary()],
+                    "nns2:",
+                    {"nnsight": {"nested": [1, 2]}},
+                    {"nnsight_vouched": "yes", "nnsight": self.canary()},
+                    {"nnsight_edits": self.junk(100)},
+                    {"nnsight_edits": ["x"] * 1000},
+                    {"nnsight_edit_mark": self.junk(80)},
+                    {"nnsight_edits": '["' + "a" * 10_000 + '"]'},
+                    {str(i): i for i in range(2000)},
                 ]
             )
             # A mark or an edit choice alone is a plain request with those fields dropped or refused.
@@ -198,7 +256,8 @@ class Maker:
             body = json.dumps({"block": self.canary(), "name": self.junk(10)}).encode()
             header = rng.choice(
                 [
-                    sign_command("w" * 64, "POST", "/v1/nnsight/edits", body), self.junk(rng.randint(0, 600)),
+                    sign_command("w" * 64, "POST", "/v1/nnsight/edits", body),
+                    self.junk(rng.randint(0, 600)),
                     sign_command(self.key, "POST", "/v1/nnsight/edits", b"other body"),
                     sign_command(self.key, "DELETE", "/v1/nnsight/edits", body),
                 ]
@@ -206,12 +265,19 @@ class Maker:
             # Raw bytes (non-ASCII included): all but the control characters HTTP cannot carry.
             printable = "".join(c for c in header if c.isprintable()).strip()  # what HTTP can carry
             headers = {"x-nnsight-signature": printable.encode("utf-8")}
-            return Case(kind, "/v1/nnsight/edits", body, {**headers, "content-type": "application/json"}, expect=frozenset({403, 413}))
+            return Case(
+                kind,
+                "/v1/nnsight/edits",
+                body,
+                {**headers, "content-type": "application/json"},
+                expect=frozenset({403, 413}),
+            )
         if kind == "unsigned tree":
             return Case(kind, "/v1/nnsight/model", b"", method="GET", expect=frozenset({403}))
         body = json.dumps(
             {
-                "model": self.model_name, "max_tokens": 3,
+                "model": self.model_name,
+                "max_tokens": 3,
                 "messages": [{"role": "user", "content": self.junk(40)}],
                 "vllm_xargs": {"nnsight": self.canary()},
             }
@@ -225,7 +291,10 @@ class Maker:
 
         def body() -> bytes:
             envelope = seal(
-                self.blocks["reads"], nnsight_version=SUPPORTED_NNSIGHT, plugin_version=PLUGIN_VERSION, key=self.key
+                self.blocks["reads"],
+                nnsight_version=SUPPORTED_NNSIGHT,
+                plugin_version=PLUGIN_VERSION,
+                key=self.key,
             )
             return self.completion({"nnsight": envelope})
 
@@ -243,7 +312,10 @@ class Maker:
 
         def body() -> bytes:
             envelope = seal(
-                self.blocks[name], nnsight_version=SUPPORTED_NNSIGHT, plugin_version=PLUGIN_VERSION, key=self.key
+                self.blocks[name],
+                nnsight_version=SUPPORTED_NNSIGHT,
+                plugin_version=PLUGIN_VERSION,
+                key=self.key,
             )
             return self.completion({"nnsight": envelope})
 
@@ -269,7 +341,9 @@ def careless_blocks(model: Any) -> dict[str, bytes]:
 
     def built(tracer: Any) -> bytes:
         value = tracer.prepared.vllm_xargs[0]["nnsight"]
-        return open_envelope(value, nnsight_version=SUPPORTED_NNSIGHT, plugin_version=PLUGIN_VERSION).block_bytes()
+        return open_envelope(
+            value, nnsight_version=SUPPORTED_NNSIGHT, plugin_version=PLUGIN_VERSION
+        ).block_bytes()
 
     key = "k" * 64  # any: only the bytes are kept
     blocks = {}
@@ -404,7 +478,11 @@ def fuzz(
                 report.outcomes[(case.kind, response.status_code, kind_of_error)] += 1
                 if response.status_code >= 500:
                     report.server_errors += 1
-                if response.status_code not in case.expect or len(response.content) > 64 << 10 and response.status_code >= 400:
+                if (
+                    response.status_code not in case.expect
+                    or len(response.content) > 64 << 10
+                    and response.status_code >= 400
+                ):
                     report.unexpected.append(f"{case.kind}: {response.status_code} {response.text[:200]}")
             case = case.then
 

@@ -95,7 +95,11 @@ def main() -> None:
     plain = statistics.median(walls["plain"])
     for name, times in walls.items():
         ms = statistics.median(times)
-        print(json.dumps({"job": name, "ms": round(ms, 1), "vs_plain": round(ms / plain, 3), "runs": len(times)}))
+        print(
+            json.dumps(
+                {"job": name, "ms": round(ms, 1), "vs_plain": round(ms / plain, 3), "runs": len(times)}
+            )
+        )
     cached = after["prompt_rows_cached"] - before["prompt_rows_cached"]
     print(json.dumps({"job": "prompt_rows_cached", "rows": cached}))
 

@@ -96,7 +96,9 @@ def main() -> None:
     parser.add_argument("--jobs", default="sweep,forward,steer,capture,prompt_read")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--taps", action="store_true", help="tap layer L, so steer and capture are lowered")
-    parser.add_argument("--every-layer", action="store_true", help="tap every decoder layer (the probe needs it)")
+    parser.add_argument(
+        "--every-layer", action="store_true", help="tap every decoder layer (the probe needs it)"
+    )
     parser.add_argument("--batch", type=int, default=64, help="requests in the steer and capture jobs")
     parser.add_argument("--dump", help="folder to write each job's pstats file to")
     args = parser.parse_args()

@@ -79,7 +79,9 @@ def block_bytes(kind: str = "reads") -> bytes:
             model.model.layers[1].output[0].save()
             raise ValueError("a failing block, on purpose")
     value = tracer.prepared.vllm_xargs[0]["nnsight"]
-    return open_envelope(value, nnsight_version=SUPPORTED_NNSIGHT, plugin_version=PLUGIN_VERSION).block_bytes()
+    return open_envelope(
+        value, nnsight_version=SUPPORTED_NNSIGHT, plugin_version=PLUGIN_VERSION
+    ).block_bytes()
 
 
 def sealed(block: bytes, key: str) -> str:
@@ -146,8 +148,18 @@ def worker_stats(url: str) -> dict:
     return results[0]
 
 
-async def one_request(http: Any, api: Any, url: str, model: str, *, envelope: str | None, openai_client: bool,
-                      stream: bool, drop_after: int | None = None, edits: str | None = None) -> dict:
+async def one_request(
+    http: Any,
+    api: Any,
+    url: str,
+    model: str,
+    *,
+    envelope: str | None,
+    openai_client: bool,
+    stream: bool,
+    drop_after: int | None = None,
+    edits: str | None = None,
+) -> dict:
     """One completion; what happened to it."""
     xargs: dict = {}
     if envelope is not None:
@@ -161,7 +173,12 @@ async def one_request(http: Any, api: Any, url: str, model: str, *, envelope: st
             extra = {"vllm_xargs": xargs} if xargs else None
             if stream:
                 chunks = await api.completions.create(
-                    model=model, prompt=PROMPT, max_tokens=TOKENS, temperature=0.0, stream=True, extra_body=extra
+                    model=model,
+                    prompt=PROMPT,
+                    max_tokens=TOKENS,
+                    temperature=0.0,
+                    stream=True,
+                    extra_body=extra,
                 )
                 seen, last = 0, None
                 async for chunk in chunks:
@@ -170,14 +187,24 @@ async def one_request(http: Any, api: Any, url: str, model: str, *, envelope: st
                     if drop_after is not None and seen >= drop_after:
                         await chunks.close()
                         return {"ok": True, "dropped": True, "s": time.perf_counter() - started}
-                outcome["ok"] = last is not None and (envelope is None or "nnsight" in (last.model_extra or {}))
+                outcome["ok"] = last is not None and (
+                    envelope is None or "nnsight" in (last.model_extra or {})
+                )
             else:
                 reply = await api.completions.create(
                     model=model, prompt=PROMPT, max_tokens=TOKENS, temperature=0.0, extra_body=extra
                 )
-                outcome["ok"] = bool(reply.choices) and (envelope is None or "nnsight" in (reply.model_extra or {}))
+                outcome["ok"] = bool(reply.choices) and (
+                    envelope is None or "nnsight" in (reply.model_extra or {})
+                )
         else:
-            body = {"model": model, "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0.0, "stream": stream}
+            body = {
+                "model": model,
+                "prompt": PROMPT,
+                "max_tokens": TOKENS,
+                "temperature": 0.0,
+                "stream": stream,
+            }
             if xargs:
                 body["vllm_xargs"] = xargs
             if stream:
@@ -193,7 +220,9 @@ async def one_request(http: Any, api: Any, url: str, model: str, *, envelope: st
             else:
                 response = await http.post(f"{url}/v1/completions", json=body)
                 outcome["status"] = response.status_code
-                outcome["ok"] = response.status_code == 200 and (envelope is None or "nnsight" in response.json())
+                outcome["ok"] = response.status_code == 200 and (
+                    envelope is None or "nnsight" in response.json()
+                )
     except Exception as error:  # a failure is an outcome here, counted
         outcome["error"] = f"{type(error).__name__}: {str(error)[:200]}"
     outcome["s"] = time.perf_counter() - started
@@ -206,8 +235,12 @@ def clients(url: str, connections: int) -> tuple[Any, Any]:
 
     limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
     http = httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits)
-    api = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", http_client=httpx.AsyncClient(
-        timeout=httpx.Timeout(600.0), limits=limits), max_retries=0)
+    api = openai.AsyncOpenAI(
+        base_url=f"{url}/v1",
+        api_key="unused",
+        http_client=httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits),
+        max_retries=0,
+    )
     return http, api
 
 
@@ -218,13 +251,18 @@ def model_name(url: str) -> str:
 
 
 # ---------------------------------------------------------------------- jobs
-async def _burst(url: str, count: int, key: str | None, block: bytes | None, traced_share: float) -> list[dict]:
+async def _burst(
+    url: str, count: int, key: str | None, block: bytes | None, traced_share: float
+) -> list[dict]:
     http, api = clients(url, count)
     model = model_name(url)
     traced = [block is not None and i % 2 == 0 and i < 2 * count * traced_share for i in range(count)]
     requests = [
         one_request(
-            http, api, url, model,
+            http,
+            api,
+            url,
+            model,
             envelope=sealed(block, key) if traced[i] else None,
             openai_client=(i // 2) % 2 == 0,
             stream=(i // 4) % 2 == 0,
@@ -282,7 +320,9 @@ def load(args: argparse.Namespace) -> dict:
         plain_p99_plugin_over_stock_by_round=rounds,
         plain_p99_plugin_over_stock_median_round=statistics.median(rounds),
     )
-    report["traced_p99_over_plain_p99"] = round(report["mixed_traced"]["p99_s"] / report["mixed_plain"]["p99_s"], 3)
+    report["traced_p99_over_plain_p99"] = round(
+        report["mixed_traced"]["p99_s"] / report["mixed_plain"]["p99_s"], 3
+    )
     report["plain_p99_plugin_over_stock"] = round(
         report["plain_with_plugin"]["p99_s"] / report["plain_without_plugin"]["p99_s"], 3
     )
@@ -296,7 +336,13 @@ async def _drops(url: str, count: int, key: str, block: bytes, seed: int) -> lis
 
     async def dropped(i: int) -> dict:
         request = one_request(
-            http, api, url, model, envelope=sealed(block, key), openai_client=i % 2 == 0, stream=True,
+            http,
+            api,
+            url,
+            model,
+            envelope=sealed(block, key),
+            openai_client=i % 2 == 0,
+            stream=True,
             drop_after=rng.randint(1, 4),
         )
         if i % 3 == 0:  # abort before the answer: the task is cancelled mid-request
@@ -337,7 +383,9 @@ def disconnects(args: argparse.Namespace) -> dict:
         stats = worker_stats(server.url)
     finally:
         server.stop()
-    growth = {role: round(after[role]["rss_mib"] / max(before[role]["rss_mib"], 1e-9) - 1, 4) for role in before}
+    growth = {
+        role: round(after[role]["rss_mib"] / max(before[role]["rss_mib"], 1e-9) - 1, 4) for role in before
+    }
     return {
         "requests": len(results),
         "aborted_before_answer": sum(bool(r.get("aborted")) for r in results),
@@ -351,8 +399,17 @@ def disconnects(args: argparse.Namespace) -> dict:
     }
 
 
-async def _soak_wave(url: str, http: Any, api: Any, model: str, key: str, blocks: dict, index: int, size: int,
-                     rng: random.Random) -> list[dict]:
+async def _soak_wave(
+    url: str,
+    http: Any,
+    api: Any,
+    model: str,
+    key: str,
+    blocks: dict,
+    index: int,
+    size: int,
+    rng: random.Random,
+) -> list[dict]:
     tasks = []
     for i in range(size):
         roll = rng.random()
@@ -365,8 +422,14 @@ async def _soak_wave(url: str, http: Any, api: Any, model: str, key: str, blocks
         else:
             kind, envelope, edits = "plain, edits chosen", None, '["probe"]'
         request = one_request(
-            http, api, url, model, envelope=envelope, openai_client=(index + i) % 2 == 0,
-            stream=(index + i) % 3 == 0, edits=edits,
+            http,
+            api,
+            url,
+            model,
+            envelope=envelope,
+            openai_client=(index + i) % 2 == 0,
+            stream=(index + i) % 3 == 0,
+            edits=edits,
         )
         tasks.append((kind, request))
     results = await asyncio.gather(*(task for _, task in tasks))
@@ -403,8 +466,12 @@ def soak(args: argparse.Namespace) -> dict:
                 if done % (wave * 16) == 0:
                     stats = worker_stats(server.url)
                     samples.append(
-                        {"requests": done, **footprint(server), "saves_tracked": stats.get("saves_tracked"),
-                         "tracked": stats.get("tracked")}
+                        {
+                            "requests": done,
+                            **footprint(server),
+                            "saves_tracked": stats.get("saves_tracked"),
+                            "tracked": stats.get("tracked"),
+                        }
                     )
             await http.aclose()
 
@@ -416,7 +483,8 @@ def soak(args: argparse.Namespace) -> dict:
     last = samples[-1] if samples else {}
     growth = {
         role: round(last[role]["rss_mib"] / warm[role]["rss_mib"] - 1, 4)
-        for role in ("front end", "engine core", "worker") if role in warm and warm[role]["rss_mib"]
+        for role in ("front end", "engine core", "worker")
+        if role in warm and warm[role]["rss_mib"]
     }
     return {
         "requests": sum(outcomes.values()),
@@ -447,9 +515,22 @@ def kill(args: argparse.Namespace) -> dict:
                 envelope = sealed(block, key) if i % 2 == 0 else None
                 if envelope:
                     sent.append(envelope)
-                tasks.append(asyncio.ensure_future(asyncio.wait_for(
-                    one_request(http, api, server.url, name, envelope=envelope, openai_client=i % 4 < 2,
-                                stream=i % 3 == 0), timeout=120)))
+                tasks.append(
+                    asyncio.ensure_future(
+                        asyncio.wait_for(
+                            one_request(
+                                http,
+                                api,
+                                server.url,
+                                name,
+                                envelope=envelope,
+                                openai_client=i % 4 < 2,
+                                stream=i % 3 == 0,
+                            ),
+                            timeout=120,
+                        )
+                    )
+                )
             await asyncio.sleep(1.0)
             for proc in processes(server)["engine core"]:
                 os.kill(proc.pid, signal.SIGKILL)
@@ -519,7 +600,6 @@ def door(args: argparse.Namespace) -> dict:
     odd, each timed, with ``/health`` polled meanwhile."""
     import base64
 
-
     key = secrets.token_hex(32)
     server = start(key, "/tmp/reliability-door.log")
     cases = {}
@@ -528,8 +608,13 @@ def door(args: argparse.Namespace) -> dict:
 
         def fields_envelope(megabytes: float) -> str:
             count = int(megabytes * 2**20 / 40)
-            document = {"v": 2, "nnsight": "0.8.1", "plugin": "0", "payload": "eA==",
-                        **{f"f{i}": "x" * 30 for i in range(count)}}
+            document = {
+                "v": 2,
+                "nnsight": "0.8.1",
+                "plugin": "0",
+                "payload": "eA==",
+                **{f"f{i}": "x" * 30 for i in range(count)},
+            }
             return "nns2:" + base64.b64encode(json.dumps(document).encode()).decode()
 
         nested = "nns2:" + base64.b64encode(("[" * 100_000 + "]" * 100_000).encode()).decode()
@@ -541,7 +626,9 @@ def door(args: argparse.Namespace) -> dict:
             "non-ASCII signature": fields_envelope(0.01) + "." + "é" * 64,
         }
         for label, envelope in cases_in.items():
-            body = json.dumps({"model": name, "prompt": PROMPT, "max_tokens": 2, "vllm_xargs": {"nnsight": envelope}})
+            body = json.dumps(
+                {"model": name, "prompt": PROMPT, "max_tokens": 2, "vllm_xargs": {"nnsight": envelope}}
+            )
             response, seconds, stalls = asyncio.run(_timed(server.url, body.encode()))
             cases[label] = {
                 "bytes_in": len(body),
@@ -562,15 +649,21 @@ def main() -> None:
     parser.add_argument("job", choices=["load", "disconnects", "soak", "kill", "door"])
     parser.add_argument("--requests", type=int)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rounds", type=int, default=3, help="load: plain bursts on each server, alternating")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="load: plain bursts on each server, alternating"
+    )
     parser.add_argument("--out", help="where to write the JSON report")
     args = parser.parse_args()
-    args.requests = args.requests or {"load": 1000, "disconnects": 500, "soak": 10_000, "kill": 200, "door": 0}[args.job]
+    args.requests = (
+        args.requests or {"load": 1000, "disconnects": 500, "soak": 10_000, "kill": 200, "door": 0}[args.job]
+    )
 
     import vllm
 
     started = time.monotonic()
-    report = {"load": load, "disconnects": disconnects, "soak": soak, "kill": kill, "door": door}[args.job](args)
+    report = {"load": load, "disconnects": disconnects, "soak": soak, "kill": kill, "door": door}[args.job](
+        args
+    )
     summary = {
         "job": args.job,
         "date": time.strftime("%Y-%m-%d"),

@@ -5,4 +5,5 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 . .venv/bin/activate
 ruff check .
+ruff format --check .
 python -m pytest "$@"

@@ -145,7 +145,12 @@ def test_edits_on_the_async_engine(async_model, run, smol):
             result = tracer.result.save()  # noqa: F841
         streamed = [output async for output in tracer.backend]
         # A stock stream of a plain request, with no nnsight in sight: its last output.
-        stock = [o async for o in engine.generate(PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=2), "plain-1")]
+        stock = [
+            o
+            async for o in engine.generate(
+                PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=2), "plain-1"
+            )
+        ]
         await probe.aclear()
         after_probe = await async_model.generate(PROMPTS[0], temperature=0.0, max_tokens=2)
         await async_model.aclear_edits()

@@ -162,8 +162,14 @@ def test_a_stop_taken_back_leaves_nothing_pending():
 
 
 def memory_watchdog(budget_s: float, limit_bytes: int) -> Watchdog:
-    return Watchdog(budget_s, StepStop, StepBudgetError, "over time", memory_bytes=limit_bytes,
-                    memory_message="over memory")
+    return Watchdog(
+        budget_s,
+        StepStop,
+        StepBudgetError,
+        "over time",
+        memory_bytes=limit_bytes,
+        memory_message="over memory",
+    )
 
 
 def test_a_block_that_allocates_without_end_is_stopped_before_the_host_runs_out():

@@ -73,10 +73,15 @@ def test_a_bad_security_setting_turns_blocks_off_and_vllm_serves_plain(tiny_qwen
         assert plain.status_code == 200 and plain.json()["choices"][0]["text"]
         said = "VLLM_NNSIGHT_MAX_SAVE_BYTES ('lots') must be a whole number of bytes"
         block = httpx.post(
-            f"{server.url}/v1/completions", json={**body, "vllm_xargs": {"nnsight": "nns2:e30.x"}}, timeout=120
+            f"{server.url}/v1/completions",
+            json={**body, "vllm_xargs": {"nnsight": "nns2:e30.x"}},
+            timeout=120,
         )
         assert block.status_code == 403, block.text
-        assert block.json()["error"]["type"] == "NNsightBlocksDisabled" and said in block.json()["error"]["message"]
+        assert (
+            block.json()["error"]["type"] == "NNsightBlocksDisabled"
+            and said in block.json()["error"]["message"]
+        )
         command = httpx.get(
             f"{server.url}/v1/nnsight/model",
             headers={"x-nnsight-signature": sign_command(key, "GET", "/v1/nnsight/model", b"")},
@@ -93,4 +98,7 @@ def test_a_bad_security_setting_turns_blocks_off_and_vllm_serves_plain(tiny_qwen
 
     doctor = cli("doctor", env={"VLLM_NNSIGHT_STEP_BUDGET_S": "-1"}, timeout=120)
     assert doctor.returncode == 1
-    assert "wrong: blocks are off on this engine" in doctor.stdout and "VLLM_NNSIGHT_STEP_BUDGET_S" in doctor.stdout
+    assert (
+        "wrong: blocks are off on this engine" in doctor.stdout
+        and "VLLM_NNSIGHT_STEP_BUDGET_S" in doctor.stdout
+    )

@@ -25,9 +25,7 @@ REQUESTS = 8
 def two_engines(tiny_qwen3_path, tmp_path_factory):
     env = {"VLLM_NNSIGHT_KEY": KEY, "VLLM_SERVER_DEV_MODE": "1"}
     log = str(tmp_path_factory.mktemp("logs") / "data-parallel.log")
-    server = start_server(
-        tiny_qwen3_path, log, env=env, data_parallel_size=2, kv_cache_memory_bytes=64 << 20
-    )
+    server = start_server(tiny_qwen3_path, log, env=env, data_parallel_size=2, kv_cache_memory_bytes=64 << 20)
     yield server
     server.stop()
 

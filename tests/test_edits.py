@@ -52,7 +52,9 @@ def test_every_request_runs_its_own_copy_plain_or_stock(smol, smollm2_llm):
     assert smol.installed_edits() == {edit.id: None} and edit.name is None
     through_client = smol.generate(PROMPTS, temperature=0.0, max_tokens=3)
     # A stock call that has never heard of nnsight gets the edit's values too.
-    through_stock = smollm2_llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
+    through_stock = smollm2_llm.generate(
+        PROMPTS, SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False
+    )
     assert stats(smollm2_llm)["edits"] == 1
     edit.clear()
     assert edit.cleared and smol.installed_edits() == {}

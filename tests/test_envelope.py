@@ -42,7 +42,9 @@ def test_format_version_mismatch_names_both_versions():
     with pytest.raises(EnvelopeError, match=r"format version 3 .*plugin '9.9'.*version 2"):
         open_envelope(value, **VERSIONS)
     older = "nns1:" + base64.b64encode(json.dumps(document).encode()).decode()
-    with pytest.raises(EnvelopeError, match=r"format 'nns1'; this engine reads 'nns2'.*same vllm-nnsight-plugin"):
+    with pytest.raises(
+        EnvelopeError, match=r"format 'nns1'; this engine reads 'nns2'.*same vllm-nnsight-plugin"
+    ):
         open_envelope(older, **VERSIONS)
     document["v"] = "x" * 10_000  # what a refusal shows of the input is short
     value = "nns2:" + base64.b64encode(json.dumps(document).encode()).decode()
@@ -157,7 +159,13 @@ def test_a_refusal_is_small_and_echoes_nothing_of_the_input():
     from vllm_nnsight_plugin.wire import trust
 
     fields = {f"field{i}": "secret-value-" * 20 for i in range(5_000)}
-    document = {"v": ENVELOPE_VERSION, "nnsight": "0.8.1", "plugin": VERSIONS["plugin_version"], "payload": "eA==", **fields}
+    document = {
+        "v": ENVELOPE_VERSION,
+        "nnsight": "0.8.1",
+        "plugin": VERSIONS["plugin_version"],
+        "payload": "eA==",
+        **fields,
+    }
     value = "nns2:" + base64.b64encode(json.dumps(document).encode()).decode()
     with pytest.raises(EnvelopeError, match="malformed") as raised:
         open_envelope(value, **VERSIONS)

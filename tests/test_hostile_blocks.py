@@ -44,9 +44,7 @@ def beside_a_plain_request(llm, prepared) -> tuple:
     """The prepared traced request and a plain one, in one batch; the plain one's
     tokens, and the error the traced one ended with."""
     plain = SamplingParams(temperature=0.0, max_tokens=4)
-    traced, neighbour = llm.generate(
-        prepared.prompts + [PROMPT], prepared.params + [plain], use_tqdm=False
-    )
+    traced, neighbour = llm.generate(prepared.prompts + [PROMPT], prepared.params + [plain], use_tqdm=False)
     with pytest.raises(Exception) as raised:
         vllm_nnsight_plugin.saves(traced)
     return list(neighbour.outputs[0].token_ids), str(raised.value)

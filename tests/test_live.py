@@ -70,7 +70,9 @@ def test_each_tap_hands_its_locations_value_as_the_module_returns_it():
     values = [value for _, value in interleaver.handed]
     # the blocks get copies, which outlive the forward's buffers (a CUDA graph's)
     assert torch.equal(values[0][0], qkv) and values[0][0] is not qkv and values[0][1] is None
-    assert values[1][1] == {} and all(torch.equal(a, b) and a is not b for a, b in zip(values[1][0], (q, k, v)))
+    assert values[1][1] == {} and all(
+        torch.equal(a, b) and a is not b for a, b in zip(values[1][0], (q, k, v))
+    )
     assert values[2][0] is not hidden and values[2][1] is not residual
     # what the blocks left in them goes back into the forward's own tensors
     assert torch.equal(hidden, torch.full((2, 4), 2.0)) and torch.equal(residual, torch.zeros(2, 4))

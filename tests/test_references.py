@@ -57,7 +57,10 @@ def test_threads_serializing_at_once_each_send_references(trees):
                     time.sleep(0.001 * (turn % 3))  # the threads' pickles overlap, in every order
                     data = dumps({"layer": here.model.layers[layer]})
                 assert len(data) < 2_000, len(data)  # a reference, not the tree
-                assert loads(data, persistent_objects=envoy_references(there))["layer"] is there.model.layers[layer]
+                assert (
+                    loads(data, persistent_objects=envoy_references(there))["layer"]
+                    is there.model.layers[layer]
+                )
         except BaseException as error:  # noqa: BLE001
             failures.append(error)
 

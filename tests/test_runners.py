@@ -18,7 +18,9 @@ from vllm_nnsight_plugin.seams.runner_v2 import V2Runner, view_of
 from vllm_nnsight_plugin.seams.worker import UNCOMPILED_STEP, StepHooks
 
 
-def v2_batch(version: str, scheduled: dict[str, int], computed: dict[str, int], prefill: dict[str, int], pad: int = 0):
+def v2_batch(
+    version: str, scheduled: dict[str, int], computed: dict[str, int], prefill: dict[str, int], pad: int = 0
+):
     """An ``InputBatch`` as the V2 runner builds it: requests sorted decode first
     (0.25.1: by token count; 0.34.0: decodes, then the rest by count), offsets
     padded for a CUDA graph's batch with ``pad`` more requests, one logit each."""
@@ -59,7 +61,12 @@ def test_v2_rows_follow_the_batchs_order_not_the_schedulers(version):
     assert starts["d1"] == 0 and starts["d2"] == 1 and len(view.bounds) == 5  # padding ignored
     assert view.rows() == {rid: row for row, rid in enumerate(view.req_ids)}  # one logit each
     # Only the chunk that does not reach its prompt's end has its sample thrown away.
-    assert dict(zip(view.req_ids, view.discarded.tolist())) == {"d1": False, "d2": False, "p": False, "c": True}
+    assert dict(zip(view.req_ids, view.discarded.tolist())) == {
+        "d1": False,
+        "d2": False,
+        "p": False,
+        "c": True,
+    }
     row = view.req_ids.index("c")
     assert view.computed[row] + scheduled["c"] < view.prefill[row]
 
@@ -139,7 +146,9 @@ def test_v2_the_sampler_is_called_between_the_workers_hooks_and_stays_what_it_wa
         return ids + 1
 
     V2Runner().hook_sampler(runner, on_logits, on_samples)
-    assert isinstance(runner.sampler, WatermarkSampler) and type(runner.sampler).__name__ == "WatermarkSampler"
+    assert (
+        isinstance(runner.sampler, WatermarkSampler) and type(runner.sampler).__name__ == "WatermarkSampler"
+    )
     logits = torch.zeros(2, 4)
     logits[:, 3] = 1.0
     drawn = runner.sampler(logits, None)
@@ -192,7 +201,10 @@ def test_v2_wraps_skip_warm_up_runs_ask_for_eager_steps_and_keep_the_step_batch(
     V2Runner().ask_eager(runner, True)
     assert runner.__dict__[UNCOMPILED_STEP] is True
     execute(runner, "step-2")
-    assert runner.eager_asked[-1] is True and runner.__dict__["_nnsight_graph_modes"] == {"FULL": 1, "NONE": 1}
+    assert runner.eager_asked[-1] is True and runner.__dict__["_nnsight_graph_modes"] == {
+        "FULL": 1,
+        "NONE": 1,
+    }
     V2Runner().ask_eager(runner, False)
     runner.prepare = lambda *args: (_ for _ in ()).throw(RuntimeError("boom"))
     with pytest.raises(RuntimeError, match="boom"):
@@ -206,7 +218,14 @@ def _v2_dispatch(modes: dict):
     calls = []
 
     def dispatch_cg_and_sync_dp(
-        cudagraph_manager, num_reqs, num_tokens, uniform_token_count, dp_size, dp_rank, need_eager=False, **rest
+        cudagraph_manager,
+        num_reqs,
+        num_tokens,
+        uniform_token_count,
+        dp_size,
+        dp_rank,
+        need_eager=False,
+        **rest,
     ):
         calls.append((uniform_token_count, need_eager))
         mode = "NONE" if need_eager else modes[uniform_token_count is not None]

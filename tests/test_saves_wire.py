@@ -26,7 +26,10 @@ def a_result():
 
 def test_a_saved_result_comes_back_as_vllms_own_record():
     saves = decode_request(encode_request(finished({"result": a_result(), "hidden": torch.ones(2, 3)}))).saves
-    assert type(saves["result"]).__name__ == "RequestOutput" and saves["result"].outputs[0].token_ids == [1, 2]
+    assert type(saves["result"]).__name__ == "RequestOutput" and saves["result"].outputs[0].token_ids == [
+        1,
+        2,
+    ]
     assert torch.equal(saves["hidden"], torch.ones(2, 3))
 
 

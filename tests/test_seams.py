@@ -457,7 +457,9 @@ def test_the_plugins_variables_are_known_to_vllm_and_change_no_cache_key():
         validate = Platform.validate_environ
     assert "environment_variables" in inspect.getsource(validate)
     package = Path(settings.__file__).parent
-    named = {m for path in package.rglob("*.py") for m in re.findall(r"VLLM_NNSIGHT_[A-Z0-9_]+", path.read_text())}
+    named = {
+        m for path in package.rglob("*.py") for m in re.findall(r"VLLM_NNSIGHT_[A-Z0-9_]+", path.read_text())
+    }
     assert named <= set(settings.ENVIRONMENT), sorted(named - set(settings.ENVIRONMENT))
 
 

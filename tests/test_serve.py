@@ -118,7 +118,9 @@ def test_blocks_are_off_until_the_operator_sets_a_key(served, client, tmp_path):
     no block; stale demo-only settings were warned about, and blocks run once the
     file is there (``armed``)."""
     log = open(served.log).read()
-    assert log.count("VLLM_NNSIGHT_KEY_FILE names") == 1 and "blocks from the network are off until it is" in log
+    assert (
+        log.count("VLLM_NNSIGHT_KEY_FILE names") == 1 and "blocks from the network are off until it is" in log
+    )
     assert "VLLM_NNSIGHT_SMOLLM2_GGUF ('/no/such/model.gguf') must be the path of a readable file" in log
     assert "VLLM_NNSIGHT_MEMORY ('0.5x') must be a fraction" in log and "blocks are off" not in log
     response = complete(served, vllm_xargs={"nnsight": canary_envelope(tmp_path / "c", key=KEY)})
@@ -189,7 +191,9 @@ def test_a_client_without_vllm_traces_edits_and_errs_like_one_with_it(armed, cli
     out = tmp_path / "seen.pt"
     script = str(ROOT / "tests" / "clients" / "served_without_vllm.py")
     env = {**os.environ, "VLLM_NNSIGHT_KEY": KEY, "PYTHONPATH": ""}
-    done = subprocess.run([python, script, armed.url, str(out)], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [python, script, armed.url, str(out)], env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     seen = torch.load(out, weights_only=False)
 
@@ -304,9 +308,19 @@ def test_a_block_through_any_other_endpoint_is_refused_unread(armed, tmp_path):
     name = model_name(armed)
     for path, body in (
         ("/v1/responses", {"model": name, "input": PROMPT, "max_output_tokens": 4, "vllm_xargs": forged}),
-        ("/v1/responses", {"model": name, "input": PROMPT, "stream": True, "vllm_xargs": {"nnsight": envelope}}),
-        ("/v1/messages", {"model": name, "max_tokens": 4, "messages": [{"role": "user", "content": PROMPT}],
-                          "vllm_xargs": {"nnsight": envelope}}),
+        (
+            "/v1/responses",
+            {"model": name, "input": PROMPT, "stream": True, "vllm_xargs": {"nnsight": envelope}},
+        ),
+        (
+            "/v1/messages",
+            {
+                "model": name,
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": PROMPT}],
+                "vllm_xargs": {"nnsight": envelope},
+            },
+        ),
     ):
         response = httpx.post(f"{armed.url}{path}", json=body, timeout=120)
         assert response.status_code == 400, (path, response.text)  # before any stream starts
@@ -435,7 +449,9 @@ def test_edits_over_http_run_on_every_request(armed, client, smol):
     try:
         for edits, names in ((None, ["hidden", "seen"]), (["probe"], ["hidden", "seen"]), ([], ["seen"])):
             kw = {} if edits is None else {"edits": edits}
-            with client.trace(PROMPT, temperature=0.0, max_tokens=2, serve=armed.url, key=KEY, **kw) as tracer:
+            with client.trace(
+                PROMPT, temperature=0.0, max_tokens=2, serve=armed.url, key=KEY, **kw
+            ) as tracer:
                 mine = client.logits.argmax(-1).save()
                 result = tracer.result.save()
             assert sorted(result.saves) == names and client.tokenizer.decode(mine) == " Paris"
@@ -457,7 +473,9 @@ def test_edits_over_http_run_on_every_request(armed, client, smol):
         assert sorted(decode_request(as_list.json()["nnsight"]["requests"][0]).edits) == ["hidden", "seen"]
         messages = [{"role": "user", "content": "What is the capital of France?"}]
         chunks = list(
-            api.chat.completions.create(model=name, messages=messages, max_tokens=3, temperature=0.0, stream=True)
+            api.chat.completions.create(
+                model=name, messages=messages, max_tokens=3, temperature=0.0, stream=True
+            )
         )
         (entry,) = chunks[-1].model_extra["nnsight"]["requests"]
         assert sorted(decode_request(entry).edits) == ["hidden", "seen"]
@@ -522,7 +540,9 @@ def test_edit_routes_refuse_what_is_not_signed_right_and_run_nothing(armed, tmp_
         headers={"x-nnsight-signature": sign_command(KEY, "DELETE", f"{route}/edit-none")},
     )
     assert gone.status_code == 404
-    listed = httpx.get(f"{armed.url}{route}", headers={"x-nnsight-signature": sign_command(KEY, "GET", route)})
+    listed = httpx.get(
+        f"{armed.url}{route}", headers={"x-nnsight-signature": sign_command(KEY, "GET", route)}
+    )
     assert listed.status_code == 200
     for opened in tmp_path.iterdir():
         pytest.fail(f"a refused edit's payload was decoded ({opened.name})")

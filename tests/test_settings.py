@@ -19,7 +19,9 @@ PACKAGE = Path(settings.__file__).parent
 def test_defaults_and_forms():
     assert settings.value("VLLM_NNSIGHT_MAX_TTL_S", {}) == 900.0
     assert settings.value("VLLM_NNSIGHT_STEP_BUDGET_S", {"VLLM_NNSIGHT_STEP_BUDGET_S": "0"}) == 0
-    assert settings.value("VLLM_NNSIGHT_MAX_SAVE_BYTES", {"VLLM_NNSIGHT_MAX_SAVE_BYTES": "8_388_608"}) == 8 << 20
+    assert (
+        settings.value("VLLM_NNSIGHT_MAX_SAVE_BYTES", {"VLLM_NNSIGHT_MAX_SAVE_BYTES": "8_388_608"}) == 8 << 20
+    )
     assert settings.value("VLLM_NNSIGHT_EAGER_STEPS", {"VLLM_NNSIGHT_EAGER_STEPS": ""}) is True
     assert settings.value("VLLM_NNSIGHT_EAGER_STEPS", {"VLLM_NNSIGHT_EAGER_STEPS": "off"}) is False
     assert settings.value("VLLM_NNSIGHT_TAPS", {"VLLM_NNSIGHT_TAPS": "a.b, c"}) == ("a.b", "c")
@@ -63,8 +65,11 @@ def test_a_bad_engine_setting_turns_blocks_off_and_reads_as_its_default():
 
 
 def test_settings_only_a_client_or_the_demo_reads_leave_blocks_on_and_fail_where_read():
-    environ = {"VLLM_NNSIGHT_SMOLLM2_GGUF": "/no/such/file", "VLLM_NNSIGHT_MEMORY": "0.5x",
-               "VLLM_NNSIGHT_TRUST_SERVER": "maybe"}
+    environ = {
+        "VLLM_NNSIGHT_SMOLLM2_GGUF": "/no/such/file",
+        "VLLM_NNSIGHT_MEMORY": "0.5x",
+        "VLLM_NNSIGHT_TRUST_SERVER": "maybe",
+    }
     assert settings.blocks_off(environ) is None
     assert len(settings.problems(environ, settings.CLIENT)) == 3
     for name in environ:
@@ -77,8 +82,19 @@ def test_a_key_file_is_a_path_read_when_used():
     assert settings.problems({"VLLM_NNSIGHT_KEY_FILE": "/no/such/file"}) == []
 
 
-@pytest.mark.parametrize("raw, off", [("1", True), ("yes", True), ("maybe", True), ("2", True),
-                                      ("0", False), ("off", False), ("", False), ("FALSE", False)])
+@pytest.mark.parametrize(
+    "raw, off",
+    [
+        ("1", True),
+        ("yes", True),
+        ("maybe", True),
+        ("2", True),
+        ("0", False),
+        ("off", False),
+        ("", False),
+        ("FALSE", False),
+    ],
+)
 def test_disable_means_off_for_anything_but_an_off_value(raw, off):
     assert settings.disabled({"VLLM_NNSIGHT_DISABLE": raw}) is off
 
@@ -89,8 +105,12 @@ def test_register_never_raises_whatever_the_settings(monkeypatch, caplog):
 
     from vllm_nnsight_plugin import plugin
 
-    for name, raw in [("VLLM_NNSIGHT_MAX_SAVE_BYTES", "lots"), ("VLLM_NNSIGHT_SMOLLM2_GGUF", "/no/such"),
-                      ("VLLM_NNSIGHT_MEMORY", "0.5x"), ("VLLM_NNSIGHT_KEY_FILE", "/no/such")]:
+    for name, raw in [
+        ("VLLM_NNSIGHT_MAX_SAVE_BYTES", "lots"),
+        ("VLLM_NNSIGHT_SMOLLM2_GGUF", "/no/such"),
+        ("VLLM_NNSIGHT_MEMORY", "0.5x"),
+        ("VLLM_NNSIGHT_KEY_FILE", "/no/such"),
+    ]:
         monkeypatch.setenv(name, raw)
     monkeypatch.setenv("VLLM_NNSIGHT_DISABLE", "1")
     monkeypatch.setattr(plugin, "_DONE", False)

@@ -31,8 +31,13 @@ def _tiny_llama() -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
     )
     return LlamaForCausalLM(config)
 
@@ -61,7 +66,10 @@ def test_a_described_tree_rebuilds_with_the_same_names_classes_shapes_and_print(
         ([{"path": "", "class": "A", "module": "m", "params": {"w": [[2], "os"]}}], "dtype"),
         ([{"path": "", "class": "A", "module": "m"}, {"path": "", "class": "A", "module": "m"}], "twice"),
         ([{"class": "A"}], "malformed"),
-        ([{"path": "", "class": "A", "module": "m", "params": {"w": [[-1], "float32"]}}], "malformed parameter"),
+        (
+            [{"path": "", "class": "A", "module": "m", "params": {"w": [[-1], "float32"]}}],
+            "malformed parameter",
+        ),
         ([{"path": "", "class": "A", "module": "m", "params": {"w": 3}}], "malformed parameter"),
     ],
 )
@@ -153,7 +161,9 @@ def _evil_tokenizer(smollm2_path, canary, *, auto_map: bool, code: bool) -> dict
     }
     config = json.loads((Path(smollm2_path) / "tokenizer_config.json").read_text())
     if auto_map:
-        config["extra"] = {"nested": [{"auto_map": {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}}]}
+        config["extra"] = {
+            "nested": [{"auto_map": {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}}]
+        }
     files["tokenizer_config.json"] = base64.b64encode(json.dumps(config).encode()).decode()
     if code:
         evil = f"open({str(canary)!r}, 'w').write('ran')\nfrom transformers import PreTrainedTokenizerFast as EvilTokenizer\n"
@@ -163,7 +173,11 @@ def _evil_tokenizer(smollm2_path, canary, *, auto_map: bool, code: bool) -> dict
 
 @pytest.mark.parametrize(
     "auto_map, code, refused",
-    [(True, True, "names code to run|not one a tokenizer"), (True, False, "names code to run"), (False, True, "not one a tokenizer")],
+    [
+        (True, True, "names code to run|not one a tokenizer"),
+        (True, False, "names code to run"),
+        (False, True, "not one a tokenizer"),
+    ],
 )
 def test_a_server_cannot_make_the_client_run_its_code(smollm2_path, tmp_path, auto_map, code, refused):
     """``connect()`` takes a served model's tree and tokenizer from the server.
@@ -202,8 +216,12 @@ def test_a_block_error_from_a_server_is_marked_as_the_servers_words():
     from vllm_nnsight_plugin.client.remote import Server
 
     server = Server("http://127.0.0.1:9", "k" * 64)
-    sent = {"type_name": "IndexError", "message": "out of range", "traceback": '  File "<block>", line 3\n',
-            "is_control_flow": "yes"}
+    sent = {
+        "type_name": "IndexError",
+        "message": "out of range",
+        "traceback": '  File "<block>", line 3\n',
+        "is_control_flow": "yes",
+    }
     marked = server._sent(sent)
     assert marked["type_name"] == "IndexError" and marked["is_control_flow"] is False
     assert marked["traceback"].startswith("[as sent by the server at http://127.0.0.1:9; not checked here]\n")

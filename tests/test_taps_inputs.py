@@ -26,7 +26,9 @@ NAMES = ["", "model", "model.layers", "model.layers.0", "model.layers.0.self_att
 
 
 def test_an_inputs_pattern_names_one_site_per_value_handed():
-    sites = resolve(["model.layers.*.self_attn.attn.inputs", "model.layers.0.output"], NAMES, None, lambda p: 3)
+    sites = resolve(
+        ["model.layers.*.self_attn.attn.inputs", "model.layers.0.output"], NAMES, None, lambda p: 3
+    )
     assert sites == (
         "model.layers.0",
         "model.layers.0.self_attn.attn.inputs.0",

@@ -158,7 +158,9 @@ def lowered_like_python(llm, lowered, python):
 
 def moved_from_plain(llm, got) -> None:
     """The patched request's first logprobs differ from a plain request's: it patched."""
-    (plain,) = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=3, logprobs=3), use_tqdm=False)
+    (plain,) = llm.generate(
+        [PROMPT], SamplingParams(temperature=0.0, max_tokens=3, logprobs=3), use_tqdm=False
+    )
     edited = {t: p.logprob for t, p in got.outputs[0].logprobs[0].items()}
     assert edited != {t: p.logprob for t, p in plain.outputs[0].logprobs[0].items()}
 

@@ -530,9 +530,13 @@ def test_a_served_tap_wider_than_the_store_keeps_each_row_over_several_of_its_ro
     from vllm_nnsight_plugin.taps.kept import step_rows
     from vllm_nnsight_plugin.taps.ops import KEEP_BOTH
 
-    tables = TapTables(("model.layers.0.mlp.act_fn",), max_tokens=8, hidden=3, entries=4, device="cpu", store_size=64)
+    tables = TapTables(
+        ("model.layers.0.mlp.act_fn",), max_tokens=8, hidden=3, entries=4, device="cpu", store_size=64
+    )
     assert tables.replay_stride(0) == 2  # its width is not known yet: the hidden state's
-    torch.ops.vllm_nnsight.steer(torch.zeros(8, 7), torch.zeros(8, 7), tables.slots, tables.bank, tables.how, 0)
+    torch.ops.vllm_nnsight.steer(
+        torch.zeros(8, 7), torch.zeros(8, 7), tables.slots, tables.bank, tables.how, 0
+    )
     assert tables.width(0) == 7 and tables.replay_stride(0) == 6
     served = Lowered(0, 0, None, None, code=KEEP_BOTH, replay=True)
     assert tables.add("s", served, room=6 * 4)

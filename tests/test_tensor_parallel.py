@@ -48,7 +48,9 @@ def run(model) -> dict:
             drawn = list().save()
             for _ in tracer.iter[:6]:  # in the model's order
                 model.model.layers[0].self_attn.qkv_proj.output[0][:, 256:320] = 0  # key head 0
-                model.model.layers[0].mlp.gate_up_proj.output[0][:, 200:300] *= 2.0  # across both ranks' gates
+                model.model.layers[0].mlp.gate_up_proj.output[0][:, 200:300] *= (
+                    2.0  # across both ranks' gates
+                )
                 model.model.layers[1].self_attn.o_proj.input[:, :64] = 0  # head 0 (rank 0's half)
                 drawn.append(model.samples.item())
         return drawn
@@ -68,7 +70,12 @@ def run(model) -> dict:
     return {
         "locations": locations,
         "weights": {
-            "lm_head": lm_head, "norm": norm, "qkv": qkv, "o_proj": o_proj, "gate_up": gate_up, "down": down
+            "lm_head": lm_head,
+            "norm": norm,
+            "qkv": qkv,
+            "o_proj": o_proj,
+            "gate_up": gate_up,
+            "down": down,
         },
         "lens": lens,
         "steered": steered(),

@@ -124,8 +124,5 @@ def main() -> int:
     problems = 0
     for what, finding in report():
         print(f"{what:<{width}} {finding}")
-        problems += (
-            finding.startswith(("off:", "missing", "lacking", "wrong"))
-            or "but blocks are" in finding
-        )
+        problems += finding.startswith(("off:", "missing", "lacking", "wrong")) or "but blocks are" in finding
     return 1 if problems else 0

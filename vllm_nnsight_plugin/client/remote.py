@@ -204,7 +204,9 @@ class Server:
             return None
         if not isinstance(error, dict):
             error = {"type_name": "ServerError", "message": str(error)}
-        marked = {key: str(value)[:_MAX_ERROR_CHARS] for key, value in error.items() if key != "is_control_flow"}
+        marked = {
+            key: str(value)[:_MAX_ERROR_CHARS] for key, value in error.items() if key != "is_control_flow"
+        }
         marked["is_control_flow"] = error.get("is_control_flow") is True
         sent = marked.get("traceback") or "(none)"
         marked["traceback"] = f"[as sent by the server at {self.url}; not checked here]\n{sent}"

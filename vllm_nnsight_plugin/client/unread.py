@@ -51,7 +51,9 @@ def _read(source: str) -> tuple[frozenset[str], frozenset[str]] | None:
         for node in ast.walk(tree)
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.attr in _STEPS
     }
-    bare = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and id(node) not in through_steps}
+    bare = {
+        node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and id(node) not in through_steps
+    }
     called = {_root(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
     return frozenset(bare), frozenset(name for name in called if name is not None)
 

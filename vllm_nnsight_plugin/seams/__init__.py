@@ -275,8 +275,22 @@ SEAMS: tuple[Seam, ...] = (
     Seam(_V2, "GPUModelRunner", "load_model", ("self",), WORKER, runner="v2"),
     # Called by its module-global name in the V2 runner's execute_model.
     Seam(_V2, "", "dispatch_cg_and_sync_dp", ("cudagraph_manager",), WORKER, runner="v2"),
-    Seam(_V2_CPU, "StandaloneCPUModelRunner", "execute_model", ("self", "scheduler_output"), WORKER, runner="v2-cpu"),
-    Seam(_V2_CPU, "StandaloneCPUModelRunner", "prepare_inputs", ("self", "scheduler_output"), WORKER, runner="v2-cpu"),
+    Seam(
+        _V2_CPU,
+        "StandaloneCPUModelRunner",
+        "execute_model",
+        ("self", "scheduler_output"),
+        WORKER,
+        runner="v2-cpu",
+    ),
+    Seam(
+        _V2_CPU,
+        "StandaloneCPUModelRunner",
+        "prepare_inputs",
+        ("self", "scheduler_output"),
+        WORKER,
+        runner="v2-cpu",
+    ),
     Seam(_V2_CPU, "StandaloneCPUModelRunner", "load_model", ("self",), WORKER, runner="v2-cpu"),
 )
 
@@ -319,6 +333,7 @@ def _v2_facts(module: str, owner: str, batch: str, runner: str) -> tuple[Fact, .
         ),
     )
 
+
 #: Every line of vLLM's source the plugin reads or relies on, beside the wraps
 #: in :data:`SEAMS`. ``tests/test_seams.py`` checks each on the installed vLLM,
 #: and ``check.missing`` on any release's source.
@@ -346,7 +361,13 @@ FACTS: tuple[Fact, ...] = (
     # The V1 runner: its persistent batch, its sampler, how it resumes a preempted request.
     Fact(_OUTPUT, "CachedRequestData", "resumed_req_ids", "resumed requests", "v1"),
     Fact(_OUTPUT, "SchedulerOutput", "scheduled_cached_reqs", "resumed requests", "v1"),
-    Fact(_V1, "GPUModelRunner._prepare_inputs", "self.discard_request_mask.np[:num_reqs] = (", "recomputes", "v1"),
+    Fact(
+        _V1,
+        "GPUModelRunner._prepare_inputs",
+        "self.discard_request_mask.np[:num_reqs] = (",
+        "recomputes",
+        "v1",
+    ),
     Fact(
         _V1,
         "GPUModelRunner._determine_batch_execution_and_padding",
@@ -360,7 +381,13 @@ FACTS: tuple[Fact, ...] = (
     # The V2 runners: a fresh batch a step, a plain sampler, a preempted request freed.
     *_v2_facts(_V2, "GPUModelRunner", "vllm.v1.worker.gpu.input_batch", "v2"),
     *_v2_facts(_V2_CPU, "StandaloneCPUModelRunner", "vllm.v1.worker.cpu.input_batch", "v2-cpu"),
-    Fact(_V2, "GPUModelRunner.execute_model", "need_eager=", "a step with a block runs without a CUDA graph", "v2"),
+    Fact(
+        _V2,
+        "GPUModelRunner.execute_model",
+        "need_eager=",
+        "a step with a block runs without a CUDA graph",
+        "v2",
+    ),
     # A step at the taps replays the piece graphs between them (``split_graph_at``,
     # ``Runner.ask_pieces``): vLLM splits the compiled graph at the operations it
     # is told of, by name, and a batch that is not a uniform decode (V2) or rules

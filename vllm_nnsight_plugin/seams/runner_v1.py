@@ -38,7 +38,6 @@ MODULE = "vllm.v1.worker.gpu_model_runner"
 CPU_MODULE = "vllm.v1.worker.cpu_model_runner"
 
 
-
 def _in_pieces(runner: Any, original: Callable, args: tuple, kwargs: dict) -> Any:
     """The runner's dispatch with graphs of the whole forward ruled out (its
     dispatcher's ``invalid_modes``), or None where that still gave one, or ranks
@@ -126,7 +125,9 @@ class V1Runner(Runner):
         discarded = runner.discard_request_mask.np[:n]
         return StepView(req_ids, bounds, computed, prompts, discarded)
 
-    def hook_sampler(self, runner: Any, on_logits: Callable[[Any], Any], on_samples: Callable[[Any], Any]) -> None:
+    def hook_sampler(
+        self, runner: Any, on_logits: Callable[[Any], Any], on_samples: Callable[[Any], Any]
+    ) -> None:
         def before(module: Any, args: Any, kwargs: Any) -> Any:
             logits = kwargs["logits"] if "logits" in kwargs else args[0]
             new = on_logits(logits)
@@ -162,4 +163,3 @@ def _loading_classes() -> list[type]:
 
         classes.append(CPUModelRunner)
     return classes
-

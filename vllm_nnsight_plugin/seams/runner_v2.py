@@ -56,7 +56,6 @@ _SAMPLER_HOOKS = "_nnsight_sampler_hooks"
 _RUNNING: list[Any] = []
 
 
-
 def _dummy(args: tuple, kwargs: dict) -> bool:
     """Whether an ``execute_model(scheduler_output, intermediate_tensors, dummy_run, ...)``
     call is a warm-up, profile or data-parallel padding run."""
@@ -93,7 +92,9 @@ class V2Runner(Runner):
         batch = runner.__dict__[BATCH]
         return batch.req_ids[: batch.num_reqs], batch.query_start_loc_np[: batch.num_reqs + 1]
 
-    def hook_sampler(self, runner: Any, on_logits: Callable[[Any], Any], on_samples: Callable[[Any], Any]) -> None:
+    def hook_sampler(
+        self, runner: Any, on_logits: Callable[[Any], Any], on_samples: Callable[[Any], Any]
+    ) -> None:
         sampler = runner.sampler
         sampler.__dict__[_SAMPLER_HOOKS] = (on_logits, on_samples)
         if not getattr(type(sampler), "_nnsight_hooked", False):
@@ -198,7 +199,6 @@ def _in_pieces(original: Callable, signature: inspect.Signature, args: tuple, kw
     result = original(*bound.args, **bound.kwargs)
     mode = getattr(getattr(result[0], "cg_mode", None), "name", None)
     return result if mode in ("PIECEWISE", "NONE") else None
-
 
 
 _HOOKED: dict[type, type] = {}

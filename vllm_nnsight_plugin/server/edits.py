@@ -62,7 +62,9 @@ async def _install(request: Request) -> Any:
     limits = Limits.from_env()
     too_long = limits.max_payload_bytes * 2 + _FIELDS_BYTES  # base64 twice, with room
     if int(request.headers.get("content-length") or 0) > too_long:
-        return error_response(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "NNsightPayloadTooLarge", "the edit is too large.")
+        return error_response(
+            HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "NNsightPayloadTooLarge", "the edit is too large."
+        )
     body = await request.body()
     try:
         if len(body) > too_long:

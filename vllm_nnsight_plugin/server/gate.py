@@ -148,7 +148,11 @@ class NoBlocksElsewhere:
         self.app = app
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") not in NO_BLOCK_ROUTES:
+        if (
+            scope.get("type") != "http"
+            or scope.get("method") != "POST"
+            or scope.get("path") not in NO_BLOCK_ROUTES
+        ):
             await self.app(scope, receive, send)
             return
         chunks, more = [], True

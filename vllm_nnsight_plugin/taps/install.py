@@ -718,7 +718,9 @@ def _apply(tables: TapTables, site: int, out: Any) -> Any:
         return tap(out, out, table, bank, how, store, site, ops.ONE)
     steer, keep = torch.ops.vllm_nnsight.steer, torch.ops.vllm_nnsight.keep
     if paired:
-        hidden = torch.ops.vllm_nnsight.steer_pair(out[0], out[1], tables.slots, tables.bank, tables.how, site)
+        hidden = torch.ops.vllm_nnsight.steer_pair(
+            out[0], out[1], tables.slots, tables.bank, tables.how, site
+        )
         keep(hidden, out[1], tables.codes, tables.dest, tables.store, site)
         return (hidden, *out[1:])
     if first:

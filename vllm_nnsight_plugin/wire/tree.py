@@ -133,7 +133,9 @@ def rebuild(entries: list[dict]) -> torch.nn.Module:
     return built[""]
 
 
-def _attach(built: dict[str, torch.nn.Module], path: str, module: torch.nn.Module | None, shared: bool = False) -> None:
+def _attach(
+    built: dict[str, torch.nn.Module], path: str, module: torch.nn.Module | None, shared: bool = False
+) -> None:
     """Put ``module`` at ``path`` under its parent (a shared one: again, where it
     is held a second time)."""
     if module is None:

@@ -262,7 +262,9 @@ def _claim_shared(directory: str, nonce: str, expires: float) -> bool:
     try:
         with private_folder(directory) as folder:
             try:
-                handle = os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600, dir_fd=folder)
+                handle = os.open(
+                    name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600, dir_fd=folder
+                )
             except FileExistsError:
                 return False
             try:
@@ -270,7 +272,9 @@ def _claim_shared(directory: str, nonce: str, expires: float) -> bool:
             finally:
                 os.close(handle)
     except UnsafeFolderError as unsafe:
-        raise UntrustedBlockError(f"the server's nonce store is not its own ({unsafe}); it takes no blocks.") from None
+        raise UntrustedBlockError(
+            f"the server's nonce store is not its own ({unsafe}); it takes no blocks."
+        ) from None
     except OSError as error:
         raise UntrustedBlockError(
             f"the server could not record this block's nonce ({type(error).__name__}); try again."

@@ -151,7 +151,11 @@ class Watchdog:
         self.stop = stop
         self._error, self._message = error, message
         self.memory_bytes = memory_bytes if resident_bytes() is not None else 0
-        self._memory_stop, self._memory_error, self._memory_message = memory_stop, memory_error, memory_message
+        self._memory_stop, self._memory_error, self._memory_message = (
+            memory_stop,
+            memory_error,
+            memory_message,
+        )
         if budget_s <= 0:
             self.budget_s = float("inf")  # no time limit; the memory one may still be on
         self.on = budget_s > 0 or self.memory_bytes > 0

@@ -63,7 +63,9 @@ def one_device(gathered: torch.Tensor, widths: list[int], replicas: list[int], t
     return torch.cat(whole, dim=-1)
 
 
-def this_rank(whole: torch.Tensor, widths: list[int], replicas: list[int], tp: int, rank: int) -> torch.Tensor:
+def this_rank(
+    whole: torch.Tensor, widths: list[int], replicas: list[int], tp: int, rank: int
+) -> torch.Tensor:
     """This rank's slices of a one-device tensor, side by side as the rank holds them."""
     totals = [width * tp // copies for width, copies in zip(widths, replicas)]
     pieces = whole.split(totals, dim=-1)
