@@ -13,10 +13,9 @@ import pytest
 import vllm_nnsight_plugin
 from vllm_nnsight_plugin import PluginError
 
-#: Exceptions that never leave the plugin: control flow inside one module, and the
-#: server's own carrier of an HTTP reply. (Warnings, and the ``BaseException`` a
-#: budget raises into a block, are not errors.)
-INTERNAL = {"_Hazard", "_Unfollowed", "Refused"}
+#: Exceptions that never leave the plugin: control flow inside one module.
+#: (Warnings, and the ``BaseException`` a budget raises into a block, are not errors.)
+INTERNAL = {"_Hazard", "_Unfollowed"}
 #: What an error is made with, where that is not one message.
 ARGUMENTS = {"ServeError": (422, "NNsightBlockError", "a message")}
 
@@ -62,3 +61,49 @@ def test_each_keeps_its_built_in_base():
 
     assert issubclass(EnvelopeError, ValueError) and issubclass(UnsafeFolderError, PermissionError)
     assert issubclass(PreemptedError, RuntimeError)
+
+
+def _answered() -> set[tuple[int, str]]:
+    """The (status, kind) pairs the errors a server answers with declare (those
+    that say their own, not the root's default)."""
+    return {
+        (error.http_status, error.kind)
+        for error in ERRORS
+        if (error.http_status, error.kind) != (PluginError.http_status, PluginError.kind)
+    }
+
+
+def test_each_answered_error_says_a_real_status_and_a_kind_of_ours():
+    from http import HTTPStatus
+
+    answered = _answered()
+    assert ("NNsightBlocksDisabled" in {kind for _, kind in answered}) and len(answered) >= 9
+    for status, kind in answered:
+        assert 400 <= HTTPStatus(status).value < 600 and kind.startswith("NNsight"), (status, kind)
+
+
+def test_the_docs_list_every_status_and_kind_a_server_answers():
+    """The security page's tables (block requests and operator commands) are the
+    one list users read; a class that answers otherwise fails here."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "security.md").read_text()
+    documented = {(int(s), k) for s, k in re.findall(r"^\|\s*(\d{3})\s*\|\s*`(NNsight\w+)`", page, re.M)}
+    assert _answered() == documented
+
+
+def test_an_answer_is_the_class_s_status_kind_and_the_message_unchanged():
+    from vllm_nnsight_plugin.errors import BlocksOffError, http_answer
+    from vllm_nnsight_plugin.server.gate import Refusal
+    from vllm_nnsight_plugin.wire.envelope import EnvelopeError, EnvelopeExpired, EnvelopeTooLarge
+
+    message = "x" * 5000
+    status, body = http_answer(EnvelopeTooLarge(message))
+    assert status == 413 and body == {
+        "error": {"message": message, "type": "NNsightPayloadTooLarge", "code": 413}
+    }
+    assert http_answer(EnvelopeExpired("late"))[0] == 403  # a subclass says its own
+    assert http_answer(EnvelopeError("bad"))[1]["error"]["type"] == "NNsightBadEnvelope"
+    refusal = Refusal.of(BlocksOffError("off"))
+    assert (refusal.status, refusal.kind, refusal.message) == (403, "NNsightBlocksDisabled", "off")

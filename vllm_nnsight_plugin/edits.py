@@ -41,6 +41,21 @@ _MARKED_LIMIT = 1 << 16
 class EditError(PluginError, RuntimeError):
     """An edit could not be installed or cleared; the message says why."""
 
+    http_status = 422
+    kind = "NNsightEditError"
+
+
+class EditLayoutError(EditError):
+    """This engine's layout cannot take installed edits (the message says which)."""
+
+    http_status = 400
+
+
+class NoEditError(EditError):
+    """No edit is installed under the id a command names."""
+
+    http_status = 404
+
 
 class EditBook:
     """One front end's installed edits (id -> name, None when unnamed, in install
@@ -194,6 +209,8 @@ __all__ = [
     "EditBook",
     "EditChoiceError",
     "EditError",
+    "EditLayoutError",
+    "NoEditError",
     "aclear",
     "ainstall",
     "book_of",

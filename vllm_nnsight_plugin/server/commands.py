@@ -9,9 +9,9 @@ nothing of the request.
 
 from __future__ import annotations
 
-from http import HTTPStatus
 from typing import Any
 
+from ..errors import BlocksOffError, NoEngineError, PluginError, http_answer
 from ..settings import blocks_off
 from ..wire.edits import COMMAND_HEADER, check_command
 from ..wire.trust import OPERATOR_KEY_ENV, OPERATOR_KEY_FILE_ENV, UntrustedBlockError, operator_key
@@ -23,16 +23,12 @@ except ImportError:  # pragma: no cover
     Request = Any  # type: ignore[misc,assignment]
 
 
-def error_response(status: HTTPStatus, kind: str, message: str) -> Any:
+def error_response(error: PluginError) -> Any:
+    """The JSON answer for ``error`` (its class's status and kind)."""
     from fastapi.responses import JSONResponse
 
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status.value}}, status.value)
-
-
-class Refused(Exception):
-    def __init__(self, status: HTTPStatus, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.response = error_response(status, kind, message)
+    status, body = http_answer(error)
+    return JSONResponse(body, status)
 
 
 def signed_path(request: Request) -> str:
@@ -42,25 +38,24 @@ def signed_path(request: Request) -> str:
 
 
 async def authorized(request: Request, body: bytes) -> Any:
-    """The engine this server runs, once the request is signed with the operator's key."""
+    """The engine this server runs, once the request is signed with the operator's
+    key; otherwise a :class:`PluginError` for :func:`error_response`."""
     off = blocks_off()
     if off is not None:
-        raise Refused(HTTPStatus.FORBIDDEN, "NNsightBlocksDisabled", off)
+        raise BlocksOffError(off)
     key = operator_key()
     if key is None:
-        raise Refused(
-            HTTPStatus.FORBIDDEN,
-            "NNsightBlocksDisabled",
+        raise BlocksOffError(
             "this server does not take nnsight commands over HTTP. The operator can turn them "
-            f"on by starting it with {OPERATOR_KEY_ENV} (or {OPERATOR_KEY_FILE_ENV}) set.",
+            f"on by starting it with {OPERATOR_KEY_ENV} (or {OPERATOR_KEY_FILE_ENV}) set."
         )
     try:
         check_command(
             request.headers.get(COMMAND_HEADER), request.method, signed_path(request), body, key, _NONCES
         )
     except UntrustedBlockError as error:
-        raise Refused(HTTPStatus.FORBIDDEN, "NNsightUntrustedBlock", str(error)) from None
+        raise UntrustedBlockError(str(error)) from None  # nothing of the request's parsing kept
     engine = getattr(request.app.state, "engine_client", None)
     if engine is None or not hasattr(engine, "input_processor"):
-        raise Refused(HTTPStatus.SERVICE_UNAVAILABLE, "NNsightEditError", "this server runs no engine.")
+        raise NoEngineError("this server runs no engine.")
     return engine

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import json
 import secrets
-from http import HTTPStatus
 from typing import Any
 
+from ..errors import BlocksOffError, NoEngineError, PluginError
 from ..versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT
 from ..wire.envelope import EnvelopeError, EnvelopeTooLarge, Limits, open_envelope
-from .commands import Refused, Request, authorized, error_response
+from ..wire.trust import UntrustedBlockError
+from .commands import Request, authorized, error_response
 
 PATH = "/v1/nnsight/edits"
 #: Room for an install's JSON fields besides the block.
@@ -62,30 +63,28 @@ async def _install(request: Request) -> Any:
     limits = Limits.from_env()
     too_long = limits.max_payload_bytes * 2 + _FIELDS_BYTES  # base64 twice, with room
     if int(request.headers.get("content-length") or 0) > too_long:
-        return error_response(
-            HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "NNsightPayloadTooLarge", "the edit is too large."
-        )
+        return error_response(EnvelopeTooLarge("the edit is too large."))
     body = await request.body()
     try:
         if len(body) > too_long:
-            raise Refused(
-                HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "NNsightPayloadTooLarge", "the edit is too large."
-            )
+            raise EnvelopeTooLarge("the edit is too large.")
         engine = await authorized(request, body)
         refusal = _refusal_of_layout(request, engine)
         if refusal is not None:
-            raise Refused(HTTPStatus.BAD_REQUEST, "NNsightEditError", refusal)
+            raise edits.EditLayoutError(refusal)
         edit_id, name, block = _fields(body)
         open_envelope(block, nnsight_version=SUPPORTED_NNSIGHT, plugin_version=PLUGIN_VERSION, limits=limits)
         await edits.ainstall(engine, edit_id, block, edits.check_name(name))
-    except Refused as refused:
-        return refused.response
-    except EnvelopeTooLarge as error:
-        return error_response(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "NNsightPayloadTooLarge", str(error))
-    except (EnvelopeError, TypeError, ValueError) as error:
-        return error_response(HTTPStatus.BAD_REQUEST, "NNsightBadEnvelope", str(error)[:500])
-    except edits.EditError as error:
-        return error_response(HTTPStatus.UNPROCESSABLE_ENTITY, "NNsightEditError", str(error)[:2000])
+    except EnvelopeError as error:  # any envelope refused here is a bad one, whatever it says
+        return error_response(
+            error if isinstance(error, EnvelopeTooLarge) else EnvelopeError(str(error)[:500])
+        )
+    except edits.EditError as error:  # its message can quote the block's own error at length
+        return error_response(type(error)(str(error)[:2000]))
+    except (BlocksOffError, UntrustedBlockError, NoEngineError) as error:
+        return error_response(error)
+    except (TypeError, ValueError) as error:  # the body's fields
+        return error_response(EnvelopeError(str(error)[:500]))
     return {"id": edit_id, "name": name}
 
 
@@ -108,8 +107,8 @@ async def _list(request: Request) -> Any:
 
     try:
         engine = await authorized(request, await request.body())
-    except Refused as refused:
-        return refused.response
+    except PluginError as error:
+        return error_response(error)
     return {"edits": [{"id": i, "name": name} for i, name in edits.installed(engine).items()]}
 
 
@@ -126,11 +125,11 @@ async def _clear(request: Request, edit_id: str | None) -> Any:
 
     try:
         engine = await authorized(request, await request.body())
-    except Refused as refused:
-        return refused.response
+    except PluginError as error:
+        return error_response(error)
     before = edits.installed(engine)
     ids = None if edit_id is None else [edit_id]
     if ids is not None and edit_id not in before:
-        return error_response(HTTPStatus.NOT_FOUND, "NNsightEditError", "no edit is installed under that id.")
+        return error_response(edits.NoEditError("no edit is installed under that id."))
     await edits.aclear(engine, ids)
     return {"cleared": list(before) if ids is None else ids}

@@ -29,13 +29,12 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
+from ..errors import BlocksOffError, PluginError, http_answer
 from ..settings import blocks_off
 from ..versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT
 from ..wire.envelope import (
     EXTRA_ARGS_KEY,
     EnvelopeError,
-    EnvelopeExpired,
-    EnvelopeTooLarge,
     Limits,
     open_envelope,
     too_large,
@@ -58,9 +57,16 @@ _NONCES = NonceBook()
 
 @dataclass(frozen=True)
 class Refusal:
+    """What a refused request is answered: the status and kind of the error's class."""
+
     status: HTTPStatus
     kind: str
     message: str
+
+    @classmethod
+    def of(cls, error: PluginError) -> Refusal:
+        status, body = http_answer(error)
+        return cls(HTTPStatus(status), body["error"]["type"], body["error"]["message"])
 
 
 def large(xargs: Any) -> bool:
@@ -81,23 +87,23 @@ def admit(xargs: dict, *, beam_search: bool = False) -> Refusal | None:
     if EXTRA_ARGS_KEY not in xargs:
         return None
     if beam_search:
-        return Refusal(
-            HTTPStatus.BAD_REQUEST,
-            "NNsightBadEnvelope",
-            "beam search runs many engine requests per prompt, which one block cannot "
-            "follow; send blocks with plain sampling.",
+        return Refusal.of(
+            EnvelopeError(
+                "beam search runs many engine requests per prompt, which one block cannot "
+                "follow; send blocks with plain sampling."
+            )
         )
     off = blocks_off()
     if off is not None:
-        return Refusal(HTTPStatus.FORBIDDEN, "NNsightBlocksDisabled", off)
+        return Refusal.of(BlocksOffError(off))
     key = operator_key()
     if key is None:
-        return Refusal(
-            HTTPStatus.FORBIDDEN,
-            "NNsightBlocksDisabled",
-            "this server does not run nnsight blocks sent over HTTP. The operator can "
-            f"turn them on by starting it with {OPERATOR_KEY_ENV} (or {OPERATOR_KEY_FILE_ENV}) "
-            "set to a secret key, which clients then sign with.",
+        return Refusal.of(
+            BlocksOffError(
+                "this server does not run nnsight blocks sent over HTTP. The operator can "
+                f"turn them on by starting it with {OPERATOR_KEY_ENV} (or {OPERATOR_KEY_FILE_ENV}) "
+                "set to a secret key, which clients then sign with."
+            )
         )
     value = xargs[EXTRA_ARGS_KEY]
     limits = Limits.from_env()
@@ -108,12 +114,8 @@ def admit(xargs: dict, *, beam_search: bool = False) -> Refusal | None:
             value, nnsight_version=SUPPORTED_NNSIGHT, plugin_version=PLUGIN_VERSION, limits=limits
         )
         check_lifetime(envelope, _NONCES)
-    except EnvelopeTooLarge as error:
-        return Refusal(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "NNsightPayloadTooLarge", str(error))
-    except (EnvelopeExpired, UntrustedBlockError) as error:
-        return Refusal(HTTPStatus.FORBIDDEN, "NNsightUntrustedBlock", str(error))
-    except EnvelopeError as error:
-        return Refusal(HTTPStatus.BAD_REQUEST, "NNsightBadEnvelope", str(error))
+    except (EnvelopeError, UntrustedBlockError) as error:  # too large, expired, untrusted, bad
+        return Refusal.of(error)
     xargs[VOUCHED_KEY] = Vouched(value)
     return None
 
@@ -170,8 +172,8 @@ class NoBlocksElsewhere:
                 f"{scope['path']} does not take nnsight blocks (its answer has no place for their "
                 "saves); send them to /v1/completions or /v1/chat/completions."
             )
-            error = {"message": message, "type": "NNsightBadEnvelope", "code": HTTPStatus.BAD_REQUEST.value}
-            await JSONResponse({"error": error}, HTTPStatus.BAD_REQUEST.value)(scope, receive, send)
+            status, body = http_answer(EnvelopeError(message))
+            await JSONResponse(body, status)(scope, receive, send)
             return
         sent = False
 

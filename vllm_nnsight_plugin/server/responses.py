@@ -27,7 +27,17 @@ from contextlib import contextmanager
 from http import HTTPStatus
 from typing import Any
 
+from ..errors import PluginError, http_answer
 from ..wire.saves import RESPONSE_FIELD, SAVES_VERSION, encode_request
+
+
+class BlockRaisedError(PluginError, RuntimeError):
+    """A served request's block (or an installed edit) ended it with an error: the
+    answer carries the error, and the saves document its traceback."""
+
+    http_status = 422
+    kind = "NNsightBlockError"
+
 
 _CURRENT: contextvars.ContextVar[Collector | None] = contextvars.ContextVar(
     "vllm_nnsight_collector", default=None
@@ -94,10 +104,9 @@ async def finish(handler: Any, result: Any, collector: Collector) -> Any:
         return result  # vLLM's own error response, or nothing was traced or edited
     error = collector.error()
     if error is not None:
+        raised = BlockRaisedError("the request's nnsight block raised: " + error_text(error))
         response = handler.create_error_response(
-            "the request's nnsight block raised: " + error_text(error),
-            err_type="NNsightBlockError",
-            status_code=HTTPStatus.UNPROCESSABLE_ENTITY,
+            str(raised), err_type=raised.kind, status_code=HTTPStatus(raised.http_status)
         )
         setattr(response, RESPONSE_FIELD, {"version": SAVES_VERSION, "error": error})
         return response
@@ -108,14 +117,8 @@ async def finish(handler: Any, result: Any, collector: Collector) -> Any:
 def _final_event(collector: Collector, last: str | None) -> str:
     error = collector.error()
     if error is not None:
-        body: dict = {
-            "error": {
-                "message": "the request's nnsight block raised: " + error_text(error),
-                "type": "NNsightBlockError",
-                "code": HTTPStatus.UNPROCESSABLE_ENTITY.value,
-            },
-            RESPONSE_FIELD: {"version": SAVES_VERSION, "error": error},
-        }
+        _, body = http_answer(BlockRaisedError("the request's nnsight block raised: " + error_text(error)))
+        body[RESPONSE_FIELD] = {"version": SAVES_VERSION, "error": error}
     else:
         body = {}
         if last is not None:  # the stream's id, object, model: a well-formed chunk

@@ -10,13 +10,20 @@ Built once, on the first call, by asking the workers, and kept.
 from __future__ import annotations
 
 import json
-from http import HTTPStatus
 from typing import Any
 
-from .commands import Refused, Request, authorized, error_response
+from ..errors import PluginError
+from .commands import Request, authorized, error_response
 
 PATH = "/v1/nnsight/model"
 _KEPT = "vllm_nnsight_tree"
+
+
+class TreeUnavailableError(PluginError, RuntimeError):
+    """The workers could not describe the model (no plugin extension, or a failure)."""
+
+    http_status = 503
+    kind = "NNsightTreeError"
 
 
 def attach(app: Any) -> None:
@@ -26,19 +33,16 @@ def attach(app: Any) -> None:
 async def _model(request: Request) -> Any:
     try:
         engine = await authorized(request, await request.body())
-    except Refused as refused:
-        return refused.response
+    except PluginError as error:
+        return error_response(error)
     state = request.app.state
     kept = getattr(state, _KEPT, None)
     if kept is None:
         try:
             answers = await engine.collective_rpc("nnsight_tree")
         except Exception as error:  # a worker without the plugin's extension, or one that failed
-            return error_response(
-                HTTPStatus.SERVICE_UNAVAILABLE,
-                "NNsightTreeError",
-                f"the workers could not describe the model ({type(error).__name__}).",
-            )
+            message = f"the workers could not describe the model ({type(error).__name__})."
+            return error_response(TreeUnavailableError(message))
         document = {**answers[0], "model": _served_name(state, engine)}
         kept = json.dumps(document, separators=(",", ":")).encode("utf-8")
         setattr(state, _KEPT, kept)

@@ -51,13 +51,22 @@ _SIGNATURE_CHARS = 64
 class EnvelopeError(PluginError, ValueError):
     """A request's envelope was refused; the message says why and what to do."""
 
+    http_status = 400
+    kind = "NNsightBadEnvelope"
+
 
 class EnvelopeTooLarge(EnvelopeError):
     """The envelope is over the engine's payload limit."""
 
+    http_status = 413
+    kind = "NNsightPayloadTooLarge"
+
 
 class EnvelopeExpired(EnvelopeError):
     """The envelope's expiry has passed."""
+
+    http_status = 403
+    kind = "NNsightUntrustedBlock"
 
 
 class Limits(BaseModel):

@@ -72,6 +72,9 @@ def touches_trust(extra: object) -> bool:
 class UntrustedBlockError(PluginError, PermissionError):
     """A block arrived without a signature this engine accepts."""
 
+    http_status = 403
+    kind = "NNsightUntrustedBlock"
+
 
 class RefusedBlockError(PluginError, ValueError):
     """A request carries a block nobody in this process vouched for (a bad request)."""
