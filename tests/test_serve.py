@@ -218,12 +218,12 @@ def test_a_client_without_vllm_traces_edits_and_errs_like_one_with_it(armed, cli
 
 
 def test_key_and_api_key_are_one_setting():
-    from vllm_nnsight_plugin.client.model import _key_spelling
+    from vllm_nnsight_plugin.client.served import key_spelling
 
-    assert _key_spelling(None, {"api_key": "k"}) == _key_spelling("k", {}) == "k"
-    assert _key_spelling("k", {"api_key": "k"}) == "k"
+    assert key_spelling(None, {"api_key": "k"}) == key_spelling("k", {}) == "k"
+    assert key_spelling("k", {"api_key": "k"}) == "k"
     with pytest.raises(ValueError, match="key=... or api_key"):
-        _key_spelling("k", {"api_key": "other"})
+        key_spelling("k", {"api_key": "other"})
 
 
 def test_served_invokes_steps_and_generate(armed, client):

@@ -108,7 +108,7 @@ def _text(text: str) -> str:
 
 
 def _taps(text: str) -> tuple[str, ...]:
-    from .taps.spec import TapError, parse
+    from .taps.patterns import TapError, parse
 
     try:
         return parse(text)

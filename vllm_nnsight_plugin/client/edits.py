@@ -205,9 +205,9 @@ class Edits:
         ``edit.clear()`` (or ``model.clear_edits()``) takes it off again.
         """
         from ..edits import check_name
-        from .model import _key_spelling
+        from .served import key_spelling
 
-        key = _key_spelling(key, kwargs)
+        key = key_spelling(key, kwargs)
         serve, key = self._where(serve, key)
         if kwargs:
             raise TypeError(f"model.edit() got unexpected arguments {sorted(kwargs)}")
@@ -287,9 +287,9 @@ class Edits:
         """Refuse a name nothing is installed under at the call, when this process
         holds the engine (a server's front end checks its own requests)."""
         from .. import edits as engine_edits
-        from .model import _SERVER_KEY
+        from .served import SERVER_KEY
 
         engine = self._engine()
-        if edits is None or _SERVER_KEY.get() is not None or engine is None:
+        if edits is None or SERVER_KEY.get() is not None or engine is None:
             return
         select(engine_edits.installed(engine), edits)

@@ -30,7 +30,6 @@ there. ``model.edit()`` installs a block on the engine for every request
 from __future__ import annotations
 
 import atexit
-import contextvars
 import difflib
 import functools
 import warnings
@@ -45,21 +44,16 @@ from nnsight.tracing.backend import Backend
 from ..prefix import CLAIM_KEY, LAST_ROWS, last_rows_only, names_used
 from ..returns.outputs import RESULT_KEY, UNREAD
 from ..versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT, UnsupportedVersion, check_nnsight
-from ..wire.edits import EDITS_KEY, encode_choice
+from ..wire.edits import EDITS_KEY
 from ..wire.envelope import EXTRA_ARGS_KEY, seal
 from ..wire.references import envoys_by_reference
 from ..wire.trust import VOUCHED_KEY, Vouched, operator_key
 from ._nnsight import Envoy, InterleavingTracer, block_of, one_pickle_per_block, reattach_caches, reduce_once
 from .edits import Edits
+from .served import SERVER_KEY, key_spelling, served_xargs
 from .standalone import SamplingParams as _StandInParams
 from .standalone import vllm_installed, vllm_stand_ins
 from .unread import reads_result
-
-#: The key to sign blocks with while requests for a server are being built (a
-#: context variable: traces may be built on several threads or tasks at once).
-_SERVER_KEY: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "vllm_nnsight_server_key", default=None
-)
 
 
 @dataclass
@@ -110,27 +104,6 @@ def _say_result_unread(mediators: list, params: list) -> None:
             unread = False
         if unread:
             param.extra_args[RESULT_KEY] = UNREAD
-
-
-def served_xargs(extra: dict) -> dict:
-    """What of a request's ``extra_args`` travels to a server as ``vllm_xargs``: the
-    block, a choice of edits as a JSON string (vLLM 0.25 takes no lists there), and
-    what the client says of the block (its prefix claim, its unread result)."""
-    xargs = {EXTRA_ARGS_KEY: extra[EXTRA_ARGS_KEY]} if EXTRA_ARGS_KEY in extra else {}
-    if extra.get(EDITS_KEY) is not None:
-        xargs[EDITS_KEY] = encode_choice(extra[EDITS_KEY])
-    for key in (CLAIM_KEY, RESULT_KEY):
-        if extra.get(key) is not None:
-            xargs[key] = extra[key]
-    return xargs
-
-
-def _key_spelling(key: str | None, kwargs: dict) -> str | None:
-    """``key=``, or ``api_key=`` (taken out of ``kwargs``); both, only if they agree."""
-    api_key = kwargs.pop("api_key", None)
-    if api_key is not None and key is not None and api_key != key:
-        raise ValueError("pass the operator's key once: key=... or api_key=..., not two different keys")
-    return key if key is not None else api_key
 
 
 #: Keywords a trace takes besides vLLM's sampling parameters (nnsight's and ours):
@@ -210,7 +183,7 @@ class VLLM(Edits, _NNsightVLLM):
         **kwargs: Any,
     ) -> None:
         check_nnsight()
-        key = _key_spelling(key, kwargs)
+        key = key_spelling(key, kwargs)
         self._served: Any = None
         if serve is not None:
             self._served = _served_model(model, serve, key, mode, kwargs)
@@ -338,7 +311,7 @@ class VLLM(Edits, _NNsightVLLM):
         reduce_once()  # one reduction per with-block, not per invoke (``_nnsight.py``)
         with envoys_by_reference(self), one_pickle_per_block(), vllm_stand_ins():
             attached = super()._attach_mediators(params, **kwargs)
-        _seal_params(params, len(attached), _SERVER_KEY.get())
+        _seal_params(params, len(attached), SERVER_KEY.get())
         self._claim_last_rows(attached, params)
         _say_result_unread(attached, params)
         self._say_untapped(attached)
@@ -452,11 +425,11 @@ class VLLM(Edits, _NNsightVLLM):
 
     def _attach_for_server(self, params: list, key: str | None, **kwargs: Any) -> list:
         """``_attach_mediators``, signing for a server's ``key`` (None: this process)."""
-        token = _SERVER_KEY.set(key)
+        token = SERVER_KEY.set(key)
         try:
             return self._attach_mediators(params, **kwargs)
         finally:
-            _SERVER_KEY.reset(token)
+            SERVER_KEY.reset(token)
 
     def interleave(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
         if getattr(fn, "_no_engine", False):
@@ -467,7 +440,7 @@ class VLLM(Edits, _NNsightVLLM):
         """nnsight's trace; ``serve=url`` (with the operator's ``key``, or
         ``VLLM_NNSIGHT_KEY``) runs it on a server with the plugin installed.
         ``api_key=`` (nnsight's spelling for a remote service) is the same as ``key=``."""
-        key = _key_spelling(key, kwargs)
+        key = key_spelling(key, kwargs)
         if "fn" not in kwargs:  # a served model's own server, unless the call builds requests only
             serve, key = self._where(serve, key)
         use_tqdm = kwargs.pop("use_tqdm", None)
@@ -553,7 +526,7 @@ class VLLM(Edits, _NNsightVLLM):
         ``extra_body``.
         """
         prepared = PreparedRequests()
-        key = _key_spelling(key, kwargs)
+        key = key_spelling(key, kwargs)
         served = self.__dict__.get("_served")
         if key is None and served is not None:
             key = served.key
@@ -575,7 +548,7 @@ def connect(url: str, key: str | None = None, **kwargs: Any) -> VLLM:
     Needs no vLLM here: the module tree and tokenizer come from the server."""
     from .remote import Server
 
-    signing_key = operator_key(_key_spelling(key, kwargs))
+    signing_key = operator_key(key_spelling(key, kwargs))
     name = Server(url, signing_key or "").model_name()
     return VLLM(name, serve=url, key=signing_key, **kwargs)
 

@@ -160,7 +160,7 @@ class Server:
             return list(pool.map(self._send, bodies))
 
     def body(self, prompt: Any, params: Any) -> dict:
-        from .model import served_xargs
+        from .served import served_xargs
 
         return {
             "model": self.model_name(),

@@ -18,12 +18,11 @@ the model keeps its layers (the default where each tap runs as one kernel), and
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..errors import PluginError
+from .patterns import LAYERS, TapError, parse
 
 #: Where an engine's taps travel: vLLM's ``additional_config`` (hashed into the
 #: compile cache's key, so a tapped and an untapped engine never share graphs).
@@ -41,10 +40,6 @@ ENV = "VLLM_NNSIGHT_TAPS"
 RUNNER_ATTR = "_vllm_nnsight_taps"
 
 
-#: Every decoder layer's output, wherever the model keeps them (:func:`decoder_layers`).
-LAYERS = "layers"
-#: No taps, where a default would give some.
-NONE = "none"
 #: Where vLLM's models keep their decoder layers, tried in this order.
 LAYER_LISTS = (
     "model.layers",
@@ -54,26 +49,6 @@ LAYER_LISTS = (
     "transformer.h",
     "gpt_neox.layers",
 )
-
-
-class TapError(PluginError, ValueError):
-    """A tap pattern that names nothing this model has."""
-
-
-def parse(patterns: Iterable[str] | str | None) -> tuple[str, ...]:
-    """Patterns from a list, a JSON list or a comma-separated string."""
-    if patterns is None:
-        return ()
-    if isinstance(patterns, str):
-        text = patterns.strip()
-        if not text:
-            return ()
-        patterns = json.loads(text) if text.startswith("[") else text.split(",")
-    items = list(patterns)
-    found = tuple(p.strip() for p in items if isinstance(p, str) and p.strip())
-    if len(found) != len(items):
-        raise TapError(f"taps must be strings naming module outputs, got {items!r}")
-    return () if found == (NONE,) else found
 
 
 def from_env() -> tuple[str, ...] | None:
