@@ -19,9 +19,9 @@ from vllm_nnsight_plugin import VLLM
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPTS = ["The capital of France is", "Paris is in", "Water boils at", "One, two, three,"]
-TOKENS = 120
+TOKENS = 64
 # SmolLM2 in fp32 keeps 46,080 bytes of K and V per token: six blocks of 32 tokens
-# (192 tokens) for four requests that need about 500.
+# (192 tokens) for four requests that need about 280 (twelve blocks).
 KV_BYTES = 6 * 32 * 46_080
 
 
@@ -35,7 +35,7 @@ def small_kv(smollm2_path):
         max_num_seqs=4,
         # A step budget under the longest recompute: a recompute is then split into
         # chunks, whose samples vLLM throws away but the last one's.
-        max_num_batched_tokens=48,
+        max_num_batched_tokens=24,
         enable_prefix_caching=False,
         additional_config={"nnsight_taps": ["model.layers.10.output"]},
     )
