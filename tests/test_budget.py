@@ -358,7 +358,7 @@ def test_stops_racing_the_packing_of_saves_each_become_the_requests_error():
     errors = sent = 0
     with Racing(watch):
         while watch.stopped < 20_000:
-            entry = {"saves": dict(saves), "error": None, "sequences": {}, "registered": {}}
+            entry = {"saves": dict(saves), "error": None, "sequences": {}, "edits": {}}
             reply = pickle.loads(pack("r", entry, limits, None, Pooler(), watch))
             error = reply["r"]["error"]
             if error is None:

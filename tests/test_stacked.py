@@ -89,7 +89,7 @@ def test_per_sequence_saves_stack_and_the_flat_view_stays_the_same_object():
     entry = {
         "saves": first,
         "error": None,
-        "sequences": {0: {"saves": first, "registered": {}}, 1: {"saves": second, "registered": {}}},
+        "sequences": {0: {"saves": first, "edits": {}}, 1: {"saves": second, "edits": {}}},
     }
     packed = stack_entry(entry)
     assert packed["saves"] is packed["sequences"][0]["saves"]

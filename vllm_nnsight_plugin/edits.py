@@ -28,6 +28,7 @@ import json
 from typing import Any
 
 from .errors import PluginError
+from .wire import rpc
 from .wire.edits import MAX_NAME_CHARS, EditChoiceError, select, wanted
 from .wire.trust import EDITS_KEY, local_signature
 
@@ -154,9 +155,9 @@ def install(engine: Any, edit_id: str, envelope: str, name: str | None = None) -
     """Install an edit (its block sealed in ``envelope``) on an ``LLM`` or ``LLMEngine``."""
     core = getattr(engine, "llm_engine", engine)
     args = _install_args(edit_id, envelope, name)
-    refusal = _refused(_sync(core.collective_rpc("nnsight_edit_install", args=args)))
+    refusal = _refused(_sync(core.collective_rpc(rpc.EDIT_INSTALL, args=args)))
     if refusal is not None:
-        _sync(core.collective_rpc("nnsight_edit_clear", args=_clear_args([edit_id])))
+        _sync(core.collective_rpc(rpc.EDIT_CLEAR, args=_clear_args([edit_id])))
         raise EditError(f"the edit could not be installed: {refusal}")
     _book(core).installed[edit_id] = name
 
@@ -166,9 +167,9 @@ async def ainstall(engine: Any, edit_id: str, envelope: str, name: str | None = 
     from .seams.frontend import rpc_every_engine  # every data-parallel engine holds it
 
     args = _install_args(edit_id, envelope, name)
-    refusal = _refused(await rpc_every_engine(engine, "nnsight_edit_install", args))
+    refusal = _refused(await rpc_every_engine(engine, rpc.EDIT_INSTALL, args))
     if refusal is not None:
-        await rpc_every_engine(engine, "nnsight_edit_clear", _clear_args([edit_id]))
+        await rpc_every_engine(engine, rpc.EDIT_CLEAR, _clear_args([edit_id]))
         raise EditError(f"the edit could not be installed: {refusal}")
     _book(engine).installed[edit_id] = name
 
@@ -185,7 +186,7 @@ def clear(engine: Any, edit_ids: list[str] | None = None) -> None:
     """Clear edits (every one for None) on an ``LLM`` or ``LLMEngine``."""
     core = getattr(engine, "llm_engine", engine)
     _unbook(core, edit_ids)
-    _sync(core.collective_rpc("nnsight_edit_clear", args=_clear_args(edit_ids)))
+    _sync(core.collective_rpc(rpc.EDIT_CLEAR, args=_clear_args(edit_ids)))
 
 
 async def aclear(engine: Any, edit_ids: list[str] | None = None) -> None:
@@ -193,7 +194,7 @@ async def aclear(engine: Any, edit_ids: list[str] | None = None) -> None:
     from .seams.frontend import rpc_every_engine
 
     _unbook(engine, edit_ids)
-    await rpc_every_engine(engine, "nnsight_edit_clear", _clear_args(edit_ids))
+    await rpc_every_engine(engine, rpc.EDIT_CLEAR, _clear_args(edit_ids))
 
 
 def _book(engine: Any) -> EditBook:

@@ -32,6 +32,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ..errors import PluginError
+from ..wire import rpc
+from ..wire.reply import Merged, merged
 
 #: Where a client says that no block of a request reads ``tracer.result``
 #: (``extra_args``; ``vllm_xargs`` for a server). The front end then keeps that
@@ -81,13 +83,13 @@ class BlockError(PluginError, RuntimeError):
     error, as nnsight reports it.)"""
 
 
-def empty_entry() -> dict:
-    """One request's reply from the workers, before anything is in it (``edits`` and
-    ``edit_sequences``: what the installed edits saved, front end only)."""
-    return {"saves": {}, "error": None, "sequences": {}, "edits": {}, "edit_sequences": {}, "path": None}
+def empty_entry() -> Merged:
+    """One request's reply from the workers, before anything is in it
+    (``edit_sequences``: what the installed edits saved per sequence)."""
+    return merged()
 
 
-def merge_replies(replies: list) -> dict:
+def merge_replies(replies: list) -> dict[str, Merged]:
     """Per request id, what the workers returned, over all ranks (each rank
     answers a list of pickled parts: one ``{request_id: entry}`` per request, the
     collect's :class:`~.pool.Pool` of saved tensors, if any, and from the engine's
@@ -113,26 +115,26 @@ def merge_replies(replies: list) -> dict:
             pool.close()  # shared memory nobody read (another rank's copy)
 
 
-def _merge(loaded: list, pools: dict) -> dict:
+def _merge(loaded: list, pools: dict) -> dict[str, Merged]:
     from .pool import Pool, Resolver
 
-    merged: dict[str, dict] = {}
+    found: dict[str, Merged] = {}
     for part in loaded:
         if isinstance(part, Pool):
             continue
         for request_id, entry in part.items():
             resolve = Resolver(pools, entry)  # the request's tensors, in storage of its own
-            into = merged.setdefault(request_id, empty_entry())
+            into = found.setdefault(request_id, empty_entry())
             _first_copy(into["saves"], entry.get("saves"), resolve)
-            _first_copy(into["edits"], entry.get("registered"), resolve)
+            _first_copy(into["edits"], entry.get("edits"), resolve)
             for index, sequence in (entry.get("sequences") or {}).items():
                 _first_copy(into["sequences"].setdefault(index, {}), sequence.get("saves"), resolve)
-                _first_copy(into["edit_sequences"].setdefault(index, {}), sequence.get("registered"), resolve)
+                _first_copy(into["edit_sequences"].setdefault(index, {}), sequence.get("edits"), resolve)
             if into["error"] is None:
                 into["error"] = entry.get("error")
             if into["path"] is None:
                 into["path"] = entry.get("path")
-    return merged
+    return found
 
 
 def _first_copy(into: dict, saves: dict | None, resolve: Any) -> None:
@@ -142,7 +144,7 @@ def _first_copy(into: dict, saves: dict | None, resolve: Any) -> None:
             into[name] = resolve(value)
 
 
-def attach(output: Any, entry: dict) -> None:
+def attach(output: Any, entry: Merged) -> None:
     """One request's saves onto its output: per request, and per sampled sequence."""
     edits = entry.get("edits") or {}
     output.saves = {**edits, **entry["saves"]}
@@ -211,7 +213,7 @@ class _Collector:
         try:
             replies = await rpc_every_engine(
                 self.engine,
-                "nnsight_collect",
+                rpc.COLLECT,
                 ([o.request_id for o in outputs], finished_for_workers(self.engine, outputs)),
             )
             attach_collected(outputs, replies)
@@ -266,7 +268,7 @@ def wind_up_later(engine: Any, request_id: str) -> None:
 
     try:
         task = asyncio.get_running_loop().create_task(
-            rpc_every_engine(engine, "nnsight_collect", ([request_id], None))
+            rpc_every_engine(engine, rpc.COLLECT, ([request_id], None))
         )
     except RuntimeError:  # no loop left: the worker's own expiry frees it
         return

@@ -123,7 +123,7 @@ def shared_tensors(entry: dict) -> set[int] | None:
         return set()  # nothing would be stacked or pooled: no need to look
     counter = _TensorCounter()
     try:
-        counter.dump({key: entry.get(key) for key in ("saves", "registered", "sequences")})
+        counter.dump({key: entry.get(key) for key in ("saves", "edits", "sequences")})
     except Exception:
         return None
     shared = {found for found, count in counter.counts.items() if count > 1}
@@ -144,11 +144,11 @@ def stack_saves(saves: dict, shared: set[int] = frozenset()) -> dict:
 
 #: The dicts of saved values in one reply entry, flat and per sequence: the
 #: block's own, and those of the installed edits the request ran.
-SAVE_KEYS = ("saves", "registered")
+SAVE_KEYS = ("saves", "edits")
 
 
 def stack_entry(entry: dict, shared: set[int] = frozenset()) -> dict:
-    """One request's reply (``saves``, ``registered`` and per-sequence
+    """One request's reply (``saves``, ``edits`` and per-sequence
     ``sequences``), stacked.
 
     The flat dicts are sequence 0's own in nnsight's reply; they stay one object

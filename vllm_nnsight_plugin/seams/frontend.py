@@ -15,6 +15,7 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ..wire import rpc
 from ..wire.envelope import EXTRA_ARGS_KEY
 from ..wire.trust import MARK_KEY
 from . import _wrap, carries_block, extension_for
@@ -294,7 +295,7 @@ def patch_llm_engine() -> None:
                     ids = [o.request_id for o in finished]
                     pending.difference_update(ids)
                     replies = self.collective_rpc(
-                        "nnsight_collect", args=(ids, finished_for_workers(self, finished))
+                        rpc.COLLECT, args=(ids, finished_for_workers(self, finished))
                     )
                     attach_collected(finished, replies)
             return outputs
@@ -314,7 +315,7 @@ def patch_llm_engine() -> None:
                     pending.difference_update(dropped)
                     forget_unread(self, dropped)
                     # Wind up the aborted requests' blocks so no state outlives them.
-                    self.collective_rpc("nnsight_collect", args=(dropped, None))
+                    self.collective_rpc(rpc.COLLECT, args=(dropped, None))
             return result
 
         return abort_request

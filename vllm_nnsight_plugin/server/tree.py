@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 from ..errors import PluginError
+from ..wire import rpc
 from .commands import Request, authorized, error_response
 
 PATH = "/v1/nnsight/model"
@@ -39,7 +40,7 @@ async def _model(request: Request) -> Any:
     kept = getattr(state, _KEPT, None)
     if kept is None:
         try:
-            answers = await engine.collective_rpc("nnsight_tree")
+            answers = await engine.collective_rpc(rpc.TREE)
         except Exception as error:  # a worker without the plugin's extension, or one that failed
             message = f"the workers could not describe the model ({type(error).__name__})."
             return error_response(TreeUnavailableError(message))

@@ -42,6 +42,7 @@ from nnsight.modeling.vllm.interleaver import VLLMInterleaver
 from nnsight.modeling.vllm.vllm import VLLM as NNsightVLLM
 from nnsight.tracing.tracer import _local, _saves, inc
 
+from ..wire.reply import RequestReply, request_reply, sequence_reply
 from .fragments import FusedFragments
 
 #: nnsight's module holding the book of in-flight requests (``Request``, ``Requests``).
@@ -459,18 +460,16 @@ def collect_entries(
         requests.harvest(names)
     taps = getattr(model.interleaver, "taps", frozenset())
     saved = _saves()
-    collected: dict[str, dict] = {}
+    collected: dict[str, RequestReply] = {}
     for request_id in answering:
         request = requests.requests.get(request_id)
         if request is None or not request.named(names):
             continue
         engine_id, index = request.key(names)
-        entry = collected.setdefault(
-            engine_id, {"saves": {}, "error": None, "registered": {}, "sequences": {}}
-        )
-        sequence = entry["sequences"].setdefault(index, {"saves": {}, "registered": {}})
+        entry = collected.setdefault(engine_id, request_reply())
+        sequence = entry["sequences"].setdefault(index, sequence_reply())
         for taken in request.harvested.values():
-            sequence["registered"].update(taken["saves"])
+            sequence["edits"].update(taken["saves"])
             if entry["error"] is None:
                 entry["error"] = taken["error"]
         request.harvested = {}
@@ -478,8 +477,8 @@ def collect_entries(
         if mediator is not None:
             if outputs and engine_id in outputs:
                 output = outputs[engine_id]
-                if sequence["registered"]:
-                    output.saves = dict(sequence["registered"])
+                if sequence["edits"]:
+                    output.saves = dict(sequence["edits"])
                 requests.serve_result(mediator, output)  # a block parked on tracer.result
             requests.finish_dangling(mediator, taps)
             values = request.saves()
@@ -495,5 +494,5 @@ def collect_entries(
     for entry in collected.values():
         primary = entry["sequences"].get(0)
         if primary is not None:
-            entry["saves"], entry["registered"] = primary["saves"], primary["registered"]
+            entry["saves"], entry["edits"] = primary["saves"], primary["edits"]
     return collected
