@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from vllm_nnsight_plugin.returns.outputs import attach, empty_entry, merge_replies
+from vllm_nnsight_plugin.returns.outputs import attach, merge_replies
 from vllm_nnsight_plugin.taps.lower import LoweredBlock, Unlowered, lower
+from vllm_nnsight_plugin.wire.reply import merged as empty_merged
+from vllm_nnsight_plugin.wire.reply import request_reply
 from vllm_nnsight_plugin.worker.lowering import Lowering
 from vllm_nnsight_plugin.worker.paths import AT_SAMPLER, EDITED, NO_TAPS, Paths
 
@@ -107,7 +109,7 @@ def test_the_path_reaches_the_output_from_the_first_rank_that_has_one():
 
     lowered = {"lowered": True, "form": "keep", "reason": None}
     replies = [
-        [pickle.dumps({"r": {**empty_entry(), "path": None}})],
+        [pickle.dumps({"r": {**request_reply(), "path": None}})],
         [pickle.dumps({"r": {"path": lowered}})],
     ]
     merged = merge_replies(replies)
@@ -119,7 +121,7 @@ def test_the_path_reaches_the_output_from_the_first_rank_that_has_one():
     output = Output()
     attach(output, merged["r"])
     assert output.nnsight_path == lowered
-    attach(output, {**empty_entry()})
+    attach(output, empty_merged())
     assert output.nnsight_path is None
 
 

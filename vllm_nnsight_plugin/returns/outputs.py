@@ -83,12 +83,6 @@ class BlockError(PluginError, RuntimeError):
     error, as nnsight reports it.)"""
 
 
-def empty_entry() -> Merged:
-    """One request's reply from the workers, before anything is in it
-    (``edit_sequences``: what the installed edits saved per sequence)."""
-    return merged()
-
-
 def merge_replies(replies: list) -> dict[str, Merged]:
     """Per request id, what the workers returned, over all ranks (each rank
     answers a list of pickled parts: one ``{request_id: entry}`` per request, the
@@ -124,7 +118,7 @@ def _merge(loaded: list, pools: dict) -> dict[str, Merged]:
             continue
         for request_id, entry in part.items():
             resolve = Resolver(pools, entry)  # the request's tensors, in storage of its own
-            into = found.setdefault(request_id, empty_entry())
+            into = found.setdefault(request_id, merged())
             _first_copy(into["saves"], entry.get("saves"), resolve)
             _first_copy(into["edits"], entry.get("edits"), resolve)
             for index, sequence in (entry.get("sequences") or {}).items():
@@ -168,7 +162,7 @@ def attach_collected(outputs: list, replies: list) -> None:
 
     collected = merge_replies(replies)
     for output in outputs:
-        attach(output, collected.get(output.request_id) or empty_entry())
+        attach(output, collected.get(output.request_id) or merged())
     count(outputs)
 
 

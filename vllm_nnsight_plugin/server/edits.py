@@ -75,15 +75,13 @@ async def _install(request: Request) -> Any:
         edit_id, name, block = _fields(body)
         open_envelope(block, nnsight_version=SUPPORTED_NNSIGHT, plugin_version=PLUGIN_VERSION, limits=limits)
         await edits.ainstall(engine, edit_id, block, edits.check_name(name))
-    except EnvelopeError as error:  # any envelope refused here is a bad one, whatever it says
-        return error_response(
-            error if isinstance(error, EnvelopeTooLarge) else EnvelopeError(str(error)[:500])
-        )
+    except EnvelopeTooLarge as error:
+        return error_response(error)
     except edits.EditError as error:  # its message can quote the block's own error at length
         return error_response(type(error)(str(error)[:2000]))
     except (BlocksOffError, UntrustedBlockError, NoEngineError) as error:
         return error_response(error)
-    except (TypeError, ValueError) as error:  # the body's fields
+    except (EnvelopeError, TypeError, ValueError) as error:  # any other refusal here is a bad body
         return error_response(EnvelopeError(str(error)[:500]))
     return {"id": edit_id, "name": name}
 

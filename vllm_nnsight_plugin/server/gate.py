@@ -65,8 +65,7 @@ class Refusal:
 
     @classmethod
     def of(cls, error: PluginError) -> Refusal:
-        status, body = http_answer(error)
-        return cls(HTTPStatus(status), body["error"]["type"], body["error"]["message"])
+        return cls(HTTPStatus(error.http_status), error.kind, str(error))
 
 
 def large(xargs: Any) -> bool:

@@ -15,10 +15,10 @@ import time
 from typing import Any
 
 from .. import seams
-from ..returns.outputs import empty_entry
 from ..returns.pool import Pooler
 from ..returns.stacked import shared_tensors, stack_entry
 from ..wire.envelope import Limits
+from ..wire.reply import request_reply
 from . import _nnsight as nns
 from .admit import RequestIndex
 from .budget import BudgetError, Watchdog
@@ -50,7 +50,7 @@ def wind_up(
         except Exception as error:
             for internal in answering:
                 requests.requests.pop(internal, None)
-            entries[request_id] = {**empty_entry(), "error": nns.capture_exception(error)}
+            entries[request_id] = {**request_reply(), "error": nns.capture_exception(error)}
         for internal in answering:
             if internal not in requests.requests:
                 index.remove(internal)
@@ -81,14 +81,14 @@ def pack(
         else:
             taken, part = watch.run(entry, _packed, request_id, entry, pooler)
     except BudgetError as error:
-        return pickle.dumps({request_id: {**empty_entry(), "error": nns.capture_exception(error)}})
+        return pickle.dumps({request_id: {**request_reply(), "error": nns.capture_exception(error)}})
     except Exception as error:  # the block's state is already wound up
         unsent = UnsendableSaveError(
             f"a value request {request_id} saved could not be sent back from the "
             f"engine ({error}). Save tensors (.detach().clone()) and plain Python "
             "values, not modules, parameters or objects holding them."
         )
-        return pickle.dumps({request_id: {**empty_entry(), "error": nns.capture_exception(unsent)}})
+        return pickle.dumps({request_id: {**request_reply(), "error": nns.capture_exception(unsent)}})
     size = len(part) + sum(tensor.numel() * tensor.element_size() for tensor in taken.values())
     if size > limits.max_save_bytes:
         over = SaveLimitError(
@@ -96,7 +96,7 @@ def pack(
             f"of {limits.max_save_bytes} (VLLM_NNSIGHT_MAX_SAVE_BYTES). Save "
             "less (a slice, a reduction), or split the work over several traces."
         )
-        return pickle.dumps({request_id: {**empty_entry(), "error": nns.capture_exception(over)}})
+        return pickle.dumps({request_id: {**request_reply(), "error": nns.capture_exception(over)}})
     pooler.add(taken)
     return part
 
