@@ -141,7 +141,7 @@ def test_the_declared_seams_are_exactly_the_wraps_made():
         "from vllm_nnsight_plugin import seams\n"
         "from vllm_nnsight_plugin.plugin import register\n"
         "register()\n"
-        "seams.worker.patch_model_runners(seams.StepHooks(*[lambda *args: None] * 4))\n"
+        "seams.runners.patch_model_runners(seams.StepHooks(*[lambda *args: None] * 4))\n"
         "def importable(module):\n"
         "    try:\n"
         "        importlib.import_module(module)\n"

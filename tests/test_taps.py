@@ -1178,13 +1178,13 @@ def test_taps_are_given_when_the_engine_is_built(smollm2_llm):
 def test_taps_from_the_environment_go_into_the_hashed_engine_config(monkeypatch, smollm2_path):
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_nnsight_plugin.seams.frontend import _taps_into_config
+    from vllm_nnsight_plugin.front import taps_into_config
     from vllm_nnsight_plugin.taps.spec import OPERATIONS, kernel_chosen
     from vllm_nnsight_plugin.versions import PLUGIN_VERSION
 
     monkeypatch.setenv("VLLM_NNSIGHT_TAPS", "model.layers.3.output,model.layers.4.output")
     args = EngineArgs(model=smollm2_path)
-    _taps_into_config(args)
+    taps_into_config(args)
     assert args.additional_config == {
         "nnsight_taps": ["model.layers.3.output", "model.layers.4.output"],
         "nnsight_taps_plugin": f"{PLUGIN_VERSION}+ops{OPERATIONS}",
@@ -1192,21 +1192,21 @@ def test_taps_from_the_environment_go_into_the_hashed_engine_config(monkeypatch,
     assert not kernel_chosen(SimpleNamespace(additional_config=args.additional_config))
     monkeypatch.setenv("VLLM_NNSIGHT_TAP_KERNEL", "1")  # one operation a tap: other graphs
     kernel = EngineArgs(model=smollm2_path)
-    _taps_into_config(kernel)
+    taps_into_config(kernel)
     assert kernel.additional_config["nnsight_taps_plugin"] == f"{PLUGIN_VERSION}+ops{OPERATIONS}+kernel"
     assert kernel_chosen(SimpleNamespace(additional_config=kernel.additional_config))
     monkeypatch.delenv("VLLM_NNSIGHT_TAP_KERNEL")
     given = EngineArgs(
         model=smollm2_path, additional_config={"nnsight_taps": ["model.norm.output"], "other": 1}
     )
-    _taps_into_config(given)  # the engine's own list wins over the environment
+    taps_into_config(given)  # the engine's own list wins over the environment
     assert (
         given.additional_config["nnsight_taps"] == ["model.norm.output"]
         and given.additional_config["other"] == 1
     )
     monkeypatch.delenv("VLLM_NNSIGHT_TAPS")
     plain = EngineArgs(model=smollm2_path)
-    _taps_into_config(plain)
+    taps_into_config(plain)
     assert not plain.additional_config  # no taps: the config (and its hash) is untouched
 
 

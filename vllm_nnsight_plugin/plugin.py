@@ -6,9 +6,10 @@ once, before any engine config exists, and it does not catch what a plugin
 raises. So it must be cheap, idempotent, never raise, and be side-effect free
 beyond this: it checks that this vLLM has every seam the plugin relies on
 (``versions.why_off``: at once on a tested release, from the source on any other),
-then arranges for the front-end and engine-core seams (``seams.INSTALLERS``) to
-be installed when, and only when, the vLLM module that holds each one is
-imported in this process. Worker seams are installed by the worker extension,
+then hands the front-end seams their policy (``front.FrontEnd``) and arranges
+for the front-end and engine-core seams (``seams.INSTALLERS``) to be installed
+when, and only when, the vLLM module that holds each one is imported in this
+process. Worker seams are installed by the worker extension,
 which only workers import. On a vLLM it cannot run on, it logs one warning
 saying why and what to do, and leaves vLLM as it is.
 
@@ -136,7 +137,9 @@ def register() -> None:
             logger.warning("vllm-nnsight: switched off, vLLM runs without it: %s", reason)
         return
     from . import seams
+    from .front import FrontEnd
 
+    seams.frontend.serve_with(FrontEnd())  # the policy every front-end wrap hands its request to
     version = versions.vllm_version()
     if not version.startswith(versions.TESTED_VLLM):
         logger.info("vllm-nnsight: vLLM %s is not a tested release; every seam is in its source", version)

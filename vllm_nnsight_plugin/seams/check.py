@@ -19,6 +19,15 @@ import ast
 import functools
 from pathlib import Path
 
+#: The model runners the plugin runs on, by the module that defines each: the V1
+#: runner (0.25 to 0.33), the V2 runner (0.25 on) and the standalone CPU runner of
+#: the V2 family (0.34 on; x86 CPUs without Triton and other CPUs).
+RUNNERS: dict[str, str] = {
+    "v1": "vllm.v1.worker.gpu_model_runner",
+    "v2": "vllm.v1.worker.gpu.model_runner",
+    "v2-cpu": "vllm.v1.worker.cpu.standalone_model_runner",
+}
+
 
 def installed_root() -> Path | None:
     """The installed ``vllm`` package's folder, found without importing it."""
@@ -120,9 +129,7 @@ def calls_by_name(root: Path, module: str, name: str) -> bool:
 
 
 def runners_in(root: Path) -> list[str]:
-    """The model runners (``seams.RUNNERS``) a source tree has."""
-    from . import RUNNERS
-
+    """The model runners (:data:`RUNNERS`) a source tree has."""
     return [name for name, module in RUNNERS.items() if module_file(root, module) is not None]
 
 

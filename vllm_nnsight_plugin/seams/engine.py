@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import _wrap, carries_block
+from .wrap import carries_block, wrap
 
 
 class _Unchunked:
@@ -75,8 +75,8 @@ def patch_scheduler() -> None:
 
         return schedule
 
-    _wrap(Scheduler, "add_request", make_add)
-    _wrap(Scheduler, "schedule", make_schedule)
+    wrap(Scheduler, "add_request", make_add)
+    wrap(Scheduler, "schedule", make_schedule)
 
 
 def _traced_first(scheduler: Any) -> None:

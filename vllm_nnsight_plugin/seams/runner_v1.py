@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import _wrap
 from .worker import (
     PIECEWISE_STEP,
     UNCOMPILED_STEP,
@@ -33,6 +32,7 @@ from .worker import (
     loading,
     present,
 )
+from .wrap import wrap
 
 MODULE = "vllm.v1.worker.gpu_model_runner"
 CPU_MODULE = "vllm.v1.worker.cpu_model_runner"
@@ -101,10 +101,10 @@ class V1Runner(Runner):
 
             return determine
 
-        _wrap(GPUModelRunner, "execute_model", make)
-        _wrap(GPUModelRunner, "_determine_batch_execution_and_padding", make_dispatch)
+        wrap(GPUModelRunner, "execute_model", make)
+        wrap(GPUModelRunner, "_determine_batch_execution_and_padding", make_dispatch)
         for runner_class in _loading_classes():
-            _wrap(runner_class, "load_model", loading(hooks))
+            wrap(runner_class, "load_model", loading(hooks))
 
     @classmethod
     def runs(cls, runner: Any) -> bool:

@@ -32,7 +32,6 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from . import _wrap
 from .worker import (
     PIECEWISE_STEP,
     UNCOMPILED_STEP,
@@ -43,6 +42,7 @@ from .worker import (
     loading,
     present,
 )
+from .wrap import wrap
 
 MODULE = "vllm.v1.worker.gpu.model_runner"
 STANDALONE_MODULE = "vllm.v1.worker.cpu.standalone_model_runner"
@@ -73,13 +73,13 @@ class V2Runner(Runner):
             if not present(module_name):
                 continue
             runner_class = getattr(importlib.import_module(module_name), class_name)
-            _wrap(runner_class, "execute_model", _stepping(hooks))
-            _wrap(runner_class, "prepare_inputs", _laid_out(hooks))
-            _wrap(runner_class, "load_model", loading(hooks))
+            wrap(runner_class, "execute_model", _stepping(hooks))
+            wrap(runner_class, "prepare_inputs", _laid_out(hooks))
+            wrap(runner_class, "load_model", loading(hooks))
         if present(MODULE):
             module = importlib.import_module(MODULE)
             if hasattr(module, "dispatch_cg_and_sync_dp"):
-                _wrap(module, "dispatch_cg_and_sync_dp", _dispatching)
+                wrap(module, "dispatch_cg_and_sync_dp", _dispatching)
 
     @classmethod
     def runs(cls, runner: Any) -> bool:

@@ -153,31 +153,6 @@ UNCOMPILED_STEP = "_nnsight_uncompiled_step"
 PIECEWISE_STEP = "_nnsight_piecewise_step"
 #: On a runner: how many forwards vLLM dispatched in each CUDA-graph mode.
 GRAPH_MODES = "_nnsight_graph_modes"
-_ADAPTER = "_nnsight_runner"
-
-
-def runners() -> tuple[type[Runner], ...]:
-    from .runner_v1 import V1Runner
-    from .runner_v2 import V2Runner
-
-    return (V2Runner, V1Runner)
-
-
-def patch_model_runners(hooks: StepHooks) -> None:
-    """Wrap every runner this vLLM has: which one an engine builds is vLLM's choice."""
-    for family in runners():
-        family.patch(hooks)
-
-
-def runner_of(runner: Any) -> Runner:
-    """The adapter for a live runner (kept on it)."""
-    found = runner.__dict__.get(_ADAPTER)
-    if found is None:
-        family = next((f for f in runners() if f.runs(runner)), None)
-        if family is None:
-            raise TypeError(f"vllm-nnsight-plugin does not know the model runner {runner_name(runner)}")
-        found = runner.__dict__[_ADAPTER] = family()
-    return found
 
 
 def present(module: str) -> bool:

@@ -10,7 +10,7 @@ at module level either: it loads with the first request that carries a block.
 vLLM mixes this class into its ``Worker`` (``worker_extension_cls``), so its
 methods are reachable through ``collective_rpc``. Importing this module happens
 in the worker processes only, when vLLM resolves that class, which makes it the
-place where the runner seams are installed (``seams.worker.patch_model_runners``:
+place where the runner seams are installed (``seams.runners.patch_model_runners``:
 every runner this vLLM has, whichever the engine builds).
 
 vLLM has one extension slot. When the user already set a class of their own, the
@@ -26,7 +26,8 @@ from typing import Any
 
 from ..seams import composed_name as composed_name  # where it always was, too
 from ..seams import composed_user
-from ..seams.worker import StepHooks, patch_model_runners
+from ..seams.runners import patch_model_runners
+from ..seams.worker import StepHooks
 from ..taps.spec import RUNNER_ATTR as _TAPS
 from ..wire.trust import local_key
 from .runtime import WorkerRuntime
