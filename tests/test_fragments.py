@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from vllm_nnsight_plugin.worker.fragments import fused_layout, one_device, this_rank
+from vllm_nnsight_plugin.seams.worker import fused_layout
+from vllm_nnsight_plugin.worker.fragments import one_device, this_rank
 
 
 def ranks_of(whole: torch.Tensor, totals: list[int], tp: int, replicas: list[int]) -> list[torch.Tensor]:

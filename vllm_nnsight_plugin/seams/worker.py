@@ -385,6 +385,61 @@ def parallel_split(module: Any) -> str | None:
     return None
 
 
+def fused_layout(module: Any) -> tuple[list[int], list[int]] | None:
+    """``(each piece's width on one rank, how many ranks hold each piece's same
+    slice)`` for a fused column-parallel module; None for any other module."""
+    sizes = getattr(module, "output_sizes", None)
+    tp = getattr(module, "tp_size", 1)
+    if not sizes or len(sizes) < 2 or tp < 2:
+        return None
+    widths = [size // tp for size in sizes]
+    replicas = [1] * len(sizes)
+    kv = getattr(module, "num_kv_head_replicas", 1)
+    if kv > 1 and len(sizes) == 3:  # a QKV projection: keys and values repeat over ranks
+        replicas[1] = replicas[2] = kv
+    return widths, replicas
+
+
+def split_output(module: Any) -> bool:
+    """Whether ``module`` is a fused column-parallel layer whose output each rank
+    holds a slice of (vLLM does not gather it)."""
+    return fused_layout(module) is not None and not getattr(module, "gather_output", False)
+
+
+def sliced_values(block: Any) -> list[tuple[str, Any]]:
+    """The values inside a decoder block that each tensor-parallel rank holds a
+    slice of, by their path under the block, each with the fused layer it is
+    sliced like: the MLP's activation (``gate_up_proj``'s slices) and the
+    attention's input (``qkv_proj``'s, where no key or value head repeats over
+    ranks). vLLM gathers neither."""
+    found = []
+    gate_up = getattr(block, "gate_up_proj", None)
+    if hasattr(block, "act_fn") and split_output(gate_up):
+        found.append(("act_fn.output", gate_up))
+    qkv = getattr(block, "qkv_proj", None)
+    if hasattr(block, "attn") and split_output(qkv) and getattr(qkv, "num_kv_head_replicas", 1) == 1:
+        found.append(("attn.input", qkv))
+    return found
+
+
+def sharded_dim(split: str | None, name: str, value: Any) -> int | None:
+    """The dimension along which a parameter ``name`` of a layer split as
+    ``split`` (:func:`parallel_split`) is divided over ranks, or None when this
+    rank holds it whole (or its layout is not a plain slice)."""
+    if split is None or not value.dtype.is_floating_point or getattr(value, "packed_dim", None) is not None:
+        return None
+    if split == "row":
+        return getattr(value, "input_dim", None) if name == "weight" else None
+    if split in ("column", "vocab"):
+        return getattr(value, "output_dim", None)
+    return None
+
+
+def tensor_parallel_size(layer: Any) -> int:
+    """Over how many ranks a parallel layer is split."""
+    return getattr(layer, "tp_size", 1)
+
+
 def tensor_parallel_gather(tensor: Any, dim: int) -> Any:
     """Every tensor-parallel rank's ``tensor``, concatenated along ``dim``."""
     from vllm.distributed import tensor_model_parallel_all_gather

@@ -30,26 +30,7 @@ import torch
 from nnsight.modeling.vllm.fragments import VLLMFragments
 from nnsight.util import apply
 
-
-def fused_layout(module: Any) -> tuple[list[int], list[int]] | None:
-    """``(each piece's width on one rank, how many ranks hold each piece's same
-    slice)`` for a fused column-parallel module; None for any other module."""
-    sizes = getattr(module, "output_sizes", None)
-    tp = getattr(module, "tp_size", 1)
-    if not sizes or len(sizes) < 2 or tp < 2:
-        return None
-    widths = [size // tp for size in sizes]
-    replicas = [1] * len(sizes)
-    kv = getattr(module, "num_kv_head_replicas", 1)
-    if kv > 1 and len(sizes) == 3:  # a QKV projection: keys and values repeat over ranks
-        replicas[1] = replicas[2] = kv
-    return widths, replicas
-
-
-def _split_output(module: Any) -> bool:
-    """Whether ``module`` is a fused column-parallel layer whose output each rank
-    holds a slice of (vLLM does not gather it)."""
-    return fused_layout(module) is not None and not getattr(module, "gather_output", False)
+from .. import seams
 
 
 def one_device(gathered: torch.Tensor, widths: list[int], replicas: list[int], tp: int) -> torch.Tensor:
@@ -91,19 +72,13 @@ class FusedFragments(VLLMFragments):
 
     def instrument(self, envoy: Any) -> None:
         super().instrument(envoy)
-        module = envoy._module
-        gate_up = getattr(module, "gate_up_proj", None)
-        if hasattr(module, "act_fn") and _split_output(gate_up):
-            self.rules[f"{envoy.path}.act_fn.output"] = (gate_up, ACTIVATION)
-            self.enabled = True
-        qkv = getattr(module, "qkv_proj", None)
-        if hasattr(module, "attn") and _split_output(qkv) and getattr(qkv, "num_kv_head_replicas", 1) == 1:
-            self.rules[f"{envoy.path}.attn.input"] = (qkv, ACTIVATION)
+        for path, layer in seams.sliced_values(envoy._module):
+            self.rules[f"{envoy.path}.{path}"] = (layer, ACTIVATION)
             self.enabled = True
 
     def _layout(self, location: str) -> tuple[list[int], list[int]] | None:
         module, side = self.rules[location]
-        return fused_layout(module) if side == "output" else None
+        return seams.fused_layout(module) if side == "output" else None
 
     def whole(self, location: str, value: Any) -> tuple[Any, Any]:
         # vLLM's CPU all-gather (its shared-memory path) takes contiguous tensors

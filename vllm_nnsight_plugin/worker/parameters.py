@@ -23,31 +23,22 @@ from typing import Any
 import torch
 
 from .. import seams
-from .fragments import fused_layout, one_device
-
-
-def sharded_dim(split: str | None, name: str, value: Any) -> int | None:
-    """The dimension along which a parameter ``name`` of a layer split as
-    ``split`` (``seams.parallel_split``) is divided over ranks, or None when this
-    rank holds it whole (or its layout is not a plain slice)."""
-    if split is None or not value.dtype.is_floating_point or getattr(value, "packed_dim", None) is not None:
-        return None
-    if split == "row":
-        return getattr(value, "input_dim", None) if name == "weight" else None
-    if split in ("column", "vocab"):
-        return getattr(value, "output_dim", None)
-    return None
+from .fragments import one_device
 
 
 def whole(module: Any, split: str, value: torch.Tensor, dim: int) -> torch.Tensor:
     """The whole parameter, gathered from every rank's slice along ``dim``."""
     gathered = seams.tensor_parallel_gather(value.detach().contiguous(), dim)
-    layout = fused_layout(module) if split == "column" else None
+    layout = seams.fused_layout(module) if split == "column" else None
     if layout is None or dim != 0:
         return gathered
     # A fused weight's (or bias's) rows come rank by rank; one device has them piece by piece.
     rows_last = gathered.movedim(0, -1)
-    return one_device(rows_last, layout[0], layout[1], module.tp_size).movedim(-1, 0).contiguous()
+    return (
+        one_device(rows_last, layout[0], layout[1], seams.tensor_parallel_size(module))
+        .movedim(-1, 0)
+        .contiguous()
+    )
 
 
 def read(module: Any, name: str, value: Any) -> Any:
@@ -55,7 +46,7 @@ def read(module: Any, name: str, value: Any) -> Any:
     if not isinstance(value, torch.nn.Parameter):
         return value
     split = seams.parallel_split(module)
-    dim = sharded_dim(split, name, value)
+    dim = seams.sharded_dim(split, name, value)
     return value if dim is None else whole(module, split, value, dim)
 
 
