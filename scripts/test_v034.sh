@@ -15,11 +15,11 @@ done
 PY=${PYTHON:-python3.11}
 [ -x .venv-v034/bin/python ] || "$PY" -m venv .venv-v034
 . .venv-v034/bin/activate
-if ! python -c "import vllm, nnsight, vllm_nnsight_plugin, pytest, transformers, openai" 2>/dev/null; then
+if ! python -c "import vllm, nnsight, vllm_nnsight_plugin, pytest, xdist, transformers, openai" 2>/dev/null; then
   python -m pip install -q --upgrade pip
   python -m pip install -q "$WHEEL"
   python -m pip install -q -e . --no-deps
-  python -m pip install -q "nnsight==0.8.1" "pytest>=8" "openai>=1" "transformers>=4.50" gguf accelerate safetensors tokenizers httpx
+  python -m pip install -q "nnsight==0.8.1" "pytest>=8" "pytest-xdist>=3" "openai>=1" "transformers>=4.50" gguf accelerate safetensors tokenizers httpx
 fi
 python - <<'PY'
 import nnsight, torch, vllm
@@ -28,7 +28,8 @@ PY
 # Every test engine sizes its KV cache (kv_cache_memory_bytes); this variable
 # would override that on vLLM 0.34's CPU platform.
 unset VLLM_CPU_KVCACHE_SPACE
-python -m pytest \
+python -m vllm_nnsight_plugin.models.smollm2 > /dev/null
+python -m pytest -n "${TEST_WORKERS:-2}" --dist loadfile \
   tests/test_runners.py tests/test_seams.py tests/test_behaviour.py tests/test_preemption.py \
   tests/test_chunked_prefill.py tests/test_taps.py tests/test_taps_keep.py tests/test_taps_source.py \
   tests/test_taps_replay.py \

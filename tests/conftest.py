@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from tests.engines import ENGINE_DEFAULTS
+from tests.engines import CORE_BIND, ENGINE_DEFAULTS
 
 # One engine at a time uses both cores; keep the client's torch from competing.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -20,6 +20,41 @@ os.environ.setdefault("VLLM_NNSIGHT_UNCOLLECTED_S", str(UNCOLLECTED_S))
 # Pools of saves over 16 KiB go home through shared memory (default 16 MiB), so the
 # engine tests that keep rows run that path and the smaller ones the pickled one.
 os.environ.setdefault("VLLM_NNSIGHT_SHARED_SAVES_BYTES", str(16 << 10))
+
+
+def _worker_index() -> int | None:
+    """This process's place among ``pytest -n N``'s workers (None: a serial run)."""
+    name = os.environ.get("PYTEST_XDIST_WORKER", "")
+    return int(name[2:]) if name.startswith("gw") and name[2:].isdigit() else None
+
+
+# With two test workers on a CPU, each one's engines compute on a core of their own:
+# vLLM's "auto" takes the first core for every engine, which would leave the second
+# to the front ends alone. The first worker keeps vLLM's choice.
+if _worker_index() and (os.cpu_count() or 1) > 1:
+    os.environ.setdefault(CORE_BIND, str(_worker_index() % (os.cpu_count() or 1)))
+
+#: The modules that take longest (engines of their own, or many requests), run
+#: first: with several workers (``--dist loadfile``) the short ones then fill in
+#: around them instead of one long module finishing last.
+LONGEST_FIRST = (
+    "test_docs.py",
+    "test_compiled.py",
+    "test_preemption.py",
+    "test_cli.py",
+    "test_serve.py",
+    "test_async.py",
+    "test_clone_reads.py",
+    "test_seams.py",
+    "test_tensor_parallel.py",
+    "test_budget.py",
+    "test_data_parallel.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    rank = {name: place for place, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: in-module order kept
 
 
 def start_llm(path: str, **overrides):

@@ -43,12 +43,26 @@ def assert_batched_close(got: Any, want: Any) -> None:
     assert float(torch.nn.functional.cosine_similarity(a, b, dim=-1).min()) >= 0.9999
 
 
+#: vLLM's CPU setting for the cores an engine's workers compute on. Left to vLLM
+#: ("auto": the first core, the other kept for the front end) in a serial run; with
+#: two test workers (``pytest -n 2``, ``scripts/test.sh``) the second one's engines
+#: take the second core (``tests/conftest.py``), and an engine of several ranks
+#: names a core per rank or lets vLLM choose (:data:`UNBOUND`).
+CORE_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+#: In :func:`environment`: the engine's ranks spread as vLLM chooses ("auto").
+UNBOUND = {CORE_BIND: None}
+
+
 @contextlib.contextmanager
-def environment(env: dict[str, str] | None) -> Iterator[None]:
+def environment(env: dict[str, str | None] | None) -> Iterator[None]:
     """``env`` set in this process while an engine starts (the processes it spawns
-    inherit it), and put back afterwards."""
+    inherit it; a None value unsets the name), and put back afterwards."""
     saved = {name: os.environ.get(name) for name in env or {}}
-    os.environ.update(env or {})
+    for name, value in (env or {}).items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     try:
         yield
     finally:

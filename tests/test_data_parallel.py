@@ -13,6 +13,7 @@ import httpx
 import pytest
 import torch
 
+from tests.engines import UNBOUND
 from tests.reference import hf_locations, load_hf, rel_error
 from tests.servers import start_server
 
@@ -23,7 +24,7 @@ REQUESTS = 8
 
 @pytest.fixture(scope="module")
 def two_engines(tiny_qwen3_path, tmp_path_factory):
-    env = {"VLLM_NNSIGHT_KEY": KEY, "VLLM_SERVER_DEV_MODE": "1"}
+    env = {"VLLM_NNSIGHT_KEY": KEY, "VLLM_SERVER_DEV_MODE": "1", **UNBOUND}
     log = str(tmp_path_factory.mktemp("logs") / "data-parallel.log")
     server = start_server(tiny_qwen3_path, log, env=env, data_parallel_size=2, kv_cache_memory_bytes=64 << 20)
     yield server

@@ -7,12 +7,11 @@ Parameters read in a block are whole."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from tests.conftest import start_llm, stop_llm
+from tests.engines import CORE_BIND, environment
 from tests.reference import LOCATIONS
 from tests.test_fidelity import PROMPTS, read_locations
 
@@ -26,16 +25,13 @@ def ranks(tiny_qwen3_path):
     """``{1: model, 2: model}``, built one after the other (never both alive)."""
     from vllm_nnsight_plugin import VLLM
 
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # vLLM's CPU build: a core per rank
     found = {}
-    try:
+    with environment({CORE_BIND: "0|1"}):  # vLLM's CPU build: a core per rank
         for size in (1, 2):
             llm = start_llm(tiny_qwen3_path, tensor_parallel_size=size, kv_cache_memory_bytes=64 << 20)
             model = VLLM(llm)
             found[size] = run(model)
             stop_llm(llm)
-    finally:
-        del os.environ["VLLM_CPU_OMP_THREADS_BIND"]
     return found
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -91,11 +92,20 @@ def smollm2_path() -> str:
         config.torch_dtype = "float32"
         cache_root().parent.mkdir(parents=True, exist_ok=True)
         cache_root().mkdir(mode=0o700, exist_ok=True)  # private: taps keep their forwards here too
-        target.mkdir(exist_ok=True)
-        save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
-        config.save_pretrained(target)
-        tokenizer.save_pretrained(target)
-    (target / _DONE).write_text("ok\n")
+        # Written whole beside the target, then renamed into place: a process that
+        # finds the folder finds it complete, and two converting at once both succeed.
+        scratch = Path(tempfile.mkdtemp(prefix=".SmolLM2-", dir=cache_root()))
+        save_file(tensors, str(scratch / "model.safetensors"), metadata={"format": "pt"})
+        config.save_pretrained(scratch)
+        tokenizer.save_pretrained(scratch)
+        (scratch / _DONE).write_text("ok\n")
+        scratch.chmod(0o755)
+        if target.exists() and not (target / _DONE).exists():
+            shutil.rmtree(target, ignore_errors=True)  # an earlier conversion's remains
+        try:
+            scratch.rename(target)
+        except OSError:  # another process put its copy there first
+            shutil.rmtree(scratch, ignore_errors=True)
     return str(target)
 
 
