@@ -1,6 +1,6 @@
 """How far stock vLLM's log-probabilities move when the same request shares its
 steps with other requests: the bound the tests allow when they compare two paths
-in mixed batches (``tests/test_taps.py``, ``BATCHING_NOISE``).
+in mixed batches (``tests/engine/test_taps.py``, ``BATCHING_NOISE``).
 
     python benchmarks/batching_noise.py [MODEL_DIR]
 

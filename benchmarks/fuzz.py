@@ -19,7 +19,7 @@ return (stopped by the step budget).
     python benchmarks/fuzz.py --cases 10000            # starts its own server (SmolLM2)
     python benchmarks/fuzz.py --url URL --key KEY ...  # or one already running
 
-``tests/test_serve.py`` runs a few hundred of these in CI.
+``tests/engine/test_serve.py`` runs a few hundred of these in CI.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ PY
 unset VLLM_CPU_KVCACHE_SPACE
 python -m vllm_nnsight_plugin.models.smollm2 > /dev/null
 python -m pytest -n "${TEST_WORKERS:-2}" --dist loadfile \
-  tests/test_runners.py tests/test_seams.py tests/test_behaviour.py tests/test_preemption.py \
-  tests/test_chunked_prefill.py tests/test_taps.py tests/test_taps_keep.py tests/test_taps_source.py \
-  tests/test_taps_replay.py \
-  tests/test_edits.py tests/test_serve.py "$@"
+  tests/unit/test_runners.py tests/engine/test_seams.py tests/engine/test_behaviour.py tests/engine/test_preemption.py \
+  tests/engine/test_chunked_prefill.py tests/engine/test_taps.py tests/engine/test_taps_keep.py tests/engine/test_taps_source.py \
+  tests/engine/test_taps_replay.py \
+  tests/engine/test_edits.py tests/engine/test_serve.py "$@"

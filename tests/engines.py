@@ -24,7 +24,7 @@ DEVICE = current_platform.device_type
 #: How close one request's activations stay when it shares its steps with other
 #: requests (the kernels a batch gets depend on its size): to the last bits on a
 #: CPU; on an H200 in fp32 (vLLM 0.25.1) the residual stream moved by up to 8.3e-4
-#: (``tests/test_edits.py``, V1 runner), as stock vLLM's log-probabilities move by
+#: (``tests/engine/test_edits.py``, V1 runner), as stock vLLM's log-probabilities move by
 #: up to 2.5e-3 there (``benchmarks/batching_noise.py``).
 BATCHED = dict(rtol=1e-5, atol=1e-5) if DEVICE == "cpu" else dict(rtol=1e-3, atol=4e-3)
 

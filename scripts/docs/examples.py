@@ -16,7 +16,7 @@ it drew, for the site (``mkdocs build`` puts the output under each example).
   ``dtype`` runs in float32: vLLM's ``auto`` runs a float32 checkpoint in bfloat16
   on a CPU, which a CPU without bfloat16 units computes tens of times slower. Every
   engine runs eager (torch.compile takes over a minute per engine on a CPU; the
-  compiled CPU engine has tests of its own, ``tests/test_compiled.py``, and which
+  compiled CPU engine has tests of its own, ``tests/engine/test_compiled.py``, and which
   path a block takes does not depend on it) with a KV cache of 1 GiB (vLLM's CPU
   default is a share of the machine's memory, written at start: gigabytes for
   pages that need a few MiB). A compiled engine runs a forward before it serves,

@@ -3,7 +3,7 @@
 # choice on 0.25.1) and V1 (VLLM_USE_V2_MODEL_RUNNER=0, an operator's choice).
 # In turn, not at once: vLLM's memory profiling at start-up fails when another
 # engine on the GPU allocates or frees meanwhile. After `device.sh setup`:
-#   RUNNERS="v2 v1" bash scripts/gpu/runners.sh $OUT -o addopts= tests/test_taps.py ...
+#   RUNNERS="v2 v1" bash scripts/gpu/runners.sh $OUT -o addopts= tests/engine/test_taps.py ...
 # writes $OUT/v2.log and $OUT/v1.log and prints their failures and last lines.
 set -uo pipefail
 out=$1

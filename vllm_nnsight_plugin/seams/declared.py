@@ -1,5 +1,5 @@
 """What the plugin wraps in vLLM (:data:`SEAMS`) and which lines of vLLM's source it
-relies on (:data:`FACTS`): declared once, checked by ``tests/test_seams.py`` on the
+relies on (:data:`FACTS`): declared once, checked by ``tests/engine/test_seams.py`` on the
 installed vLLM and by ``check.missing`` on any release's source."""
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ def _v2_facts(module: str, owner: str, batch: str, runner: str) -> tuple[Fact, .
 
 
 #: Every line of vLLM's source the plugin reads or relies on, beside the wraps
-#: in :data:`SEAMS`. ``tests/test_seams.py`` checks each on the installed vLLM,
+#: in :data:`SEAMS`. ``tests/engine/test_seams.py`` checks each on the installed vLLM,
 #: and ``check.missing`` on any release's source.
 FACTS: tuple[Fact, ...] = (
     Fact(_SCHEDULER, "Scheduler.schedule", "self.scheduler_config.enable_chunked_prefill", "whole prompts"),

@@ -16,7 +16,7 @@ when the forward returns.
 Read on vLLM 0.25.1 and 0.32: ``CustomOp.forward`` calls ``self._forward_method``,
 set in ``CustomOp.__init__`` (``model_executor/custom_op.py``); ``vllm.ir.op.IrOp``
 keeps a ``registry`` and a ``set_priority`` context manager (``ir/op.py``).
-``tests/test_seams.py`` checks both.
+``tests/engine/test_seams.py`` checks both.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ with every decoder layer tapped took 13-18% of an idle graphed step
 (``benchmarks/RESULTS.md``, 2026-12-04); the kernel does the same arithmetic
 (the float32 addition rounded once, the sum by the same rounding), and
 ``benchmarks/tap_kernels.py``, ``tests/gpu/test_gpu_kernel.py`` and, in Triton's
-interpreter on a CPU, ``tests/test_tap_kernel.py`` check it bit for bit. With it
+interpreter on a CPU, ``tests/unit/test_tap_kernel.py`` check it bit for bit. With it
 every decoder layer tapped costs an idle engine under 1%, against 12-18% as
 tensor operations. Elsewhere, or where Triton is missing, it runs ``steer`` and
 ``keep`` below. An engine built on CUDA with Triton runs its taps as this

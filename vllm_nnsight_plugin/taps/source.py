@@ -30,7 +30,7 @@ from typing import Any
 from ..errors import PluginError
 from ..folders import UnsafeFolderError, private_folder, read_own, write_own
 
-#: nnsight's private names used here (checked by ``tests/test_nnsight_seams.py``).
+#: nnsight's private names used here (checked by ``tests/unit/test_nnsight_seams.py``).
 TOUCHES: tuple[tuple[str, str], ...] = (
     ("nnsight.intervention.source", "Instrument"),
     ("nnsight.intervention.source", "OP"),

@@ -5,7 +5,7 @@ The worker reuses nnsight 0.8.1's machinery for running a block beside a forward
 in-flight blocks, its ``eproperty`` ``provide`` calls) but not nnsight's model
 runner: the plugin drives those pieces from torch hooks. Much of what it uses is
 not nnsight's public API, so every such name is used here, in a named function,
-and listed in :data:`TOUCHES`, which ``tests/test_nnsight_seams.py`` checks on
+and listed in :data:`TOUCHES`, which ``tests/unit/test_nnsight_seams.py`` checks on
 the installed nnsight. Upgrading nnsight means reading this file.
 
 Two pieces replace nnsight's own where the profile says they are the cost:
@@ -107,7 +107,7 @@ __all__ = [
 ]
 
 #: ``(module, attribute path)`` of every nnsight name this module relies on that
-#: is not a documented public API. ``tests/test_nnsight_seams.py`` resolves each.
+#: is not a documented public API. ``tests/unit/test_nnsight_seams.py`` resolves each.
 TOUCHES: tuple[tuple[str, str], ...] = (
     ("nnsight.intervention.interleaver", "Mediator.__setstate__"),
     ("nnsight.intervention.interleaver", "Mediator.__init__"),

@@ -12,8 +12,8 @@ import torch
 from vllm import SamplingParams
 
 from tests.conftest import start_llm, stop_llm
+from tests.engine.test_fidelity import PROMPTS, check
 from tests.reference import load_hf
-from tests.test_fidelity import PROMPTS, check
 
 BUDGET = 32
 SAVE_LIMIT = 8 * 1024 * 1024
@@ -31,7 +31,7 @@ def chunky(smollm2_path):
             smollm2_path,
             max_num_batched_tokens=BUDGET,
             max_num_seqs=8,
-            worker_extension_cls="tests.test_seams.UserExtension",
+            worker_extension_cls="tests.engine.test_seams.UserExtension",
         )
     finally:
         del os.environ["VLLM_NNSIGHT_MAX_SAVE_BYTES"]

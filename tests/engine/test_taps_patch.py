@@ -12,7 +12,7 @@ import pytest
 import torch
 from vllm import SamplingParams
 
-from tests.test_taps import PROMPT, bounds, same_generation, steering
+from tests.engine.test_taps import PROMPT, bounds, same_generation, steering
 from vllm_nnsight_plugin.taps import ops
 from vllm_nnsight_plugin.taps.forms import Index
 from vllm_nnsight_plugin.taps.install import TapTables

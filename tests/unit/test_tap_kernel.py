@@ -54,7 +54,7 @@ print("same")
 # to nearest (the GPU test checks bfloat16 bit for bit).
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_the_tap_kernel_computes_what_the_tensor_operations_do_in_the_interpreter(dtype):
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
     done = subprocess.run(
         [sys.executable, "-c", CHECK, dtype], env=env, cwd=root, capture_output=True, text=True, timeout=600

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.test_taps import PROMPT, same_generation
+from tests.engine.test_taps import PROMPT, same_generation
 
 NEURONS = 1536
 

@@ -406,7 +406,7 @@ def test_entry_point_is_declared():
 
 def test_extension_composes_with_a_users_class():
     assert seams.extension_for(None) == seams.EXTENSION
-    composed = seams.extension_for("tests.test_seams.UserExtension")
+    composed = seams.extension_for("tests.engine.test_seams.UserExtension")
     module_name, _, class_name = composed.rpartition(".")
     import importlib
 

@@ -12,8 +12,8 @@ import torch
 from vllm import SamplingParams
 
 from tests.conftest import SESSION_SITES, SESSION_TAPS, start_llm, stop_llm
-from tests.test_taps import same_generation, steer_as_python, steer_seeds_loop
-from tests.test_taps_keep import keep_lowered, keep_python
+from tests.engine.test_taps import same_generation, steer_as_python, steer_seeds_loop
+from tests.engine.test_taps_keep import keep_lowered, keep_python
 from vllm_nnsight_plugin import VLLM
 
 PROMPT = "The capital of France is"
@@ -158,7 +158,7 @@ def test_a_lowered_capture_keeps_every_step_compiled(compiled):
 
 def test_a_read_served_at_the_sampler_keeps_every_step_compiled(compiled):
     """A block that computes from one tap gets the rows the compiled forward kept."""
-    from tests.test_taps_replay import norms_each_step
+    from tests.engine.test_taps_replay import norms_each_step
 
     model = VLLM(compiled)
     (before,) = compiled.collective_rpc("nnsight_stats")
@@ -175,7 +175,7 @@ def test_a_read_served_at_the_sampler_keeps_every_step_compiled(compiled):
 def test_the_logit_lens_served_at_the_sampler_keeps_every_step_compiled(compiled):
     """The norm and unembedding a block calls run at the sampler with the kernels of
     a Python step, on the rows the compiled forward kept."""
-    from tests.test_taps_replay import lens
+    from tests.engine.test_taps_replay import lens
 
     model = VLLM(compiled)
     before = uncompiled_steps(compiled)
@@ -189,10 +189,10 @@ def test_the_logit_lens_served_at_the_sampler_keeps_every_step_compiled(compiled
 
 
 def test_an_operation_tap_is_lowered_and_every_step_stays_compiled(compiled):
-    from tests.test_taps_source import keep_lowered as keep_operations
-    from tests.test_taps_source import keep_python as keep_operations_python
-    from tests.test_taps_source import steer_lowered as steer_operation
-    from tests.test_taps_source import steer_python as steer_operation_python
+    from tests.engine.test_taps_source import keep_lowered as keep_operations
+    from tests.engine.test_taps_source import keep_python as keep_operations_python
+    from tests.engine.test_taps_source import steer_lowered as steer_operation
+    from tests.engine.test_taps_source import steer_python as steer_operation_python
 
     model = VLLM(compiled)
     torch.manual_seed(5)

@@ -1,6 +1,6 @@
 """Blocks at the taps, without an engine: what each tap hands the interleaver, in
 which order, and how a replacement reaches the forward's own tensors
-(``worker/live.py``; the engine's side is in ``tests/test_compiled.py``)."""
+(``worker/live.py``; the engine's side is in ``tests/engine/test_compiled.py``)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ import textwrap
 import pytest
 import torch
 
-from tests.test_taps import PROMPT
+from tests.engine.test_taps import PROMPT
 from vllm_nnsight_plugin.taps.replay import served
 from vllm_nnsight_plugin.taps.source import first_call, handed_positionally
 from vllm_nnsight_plugin.taps.spec import TapError, input_site, module_of, resolve

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from tests.conftest import start_llm, stop_llm
+from tests.engine.test_fidelity import PROMPTS, read_locations
 from tests.engines import CORE_BIND, environment
 from tests.reference import LOCATIONS
-from tests.test_fidelity import PROMPTS, read_locations
 
 TOLERANCE = 1e-5
 #: Read per rank at two ranks (their width halves), not gathered.

@@ -217,7 +217,7 @@ def keep_python(model, steps=4):
 
 
 def test_an_operation_tap_steers_lowered_as_the_python_path_does(smollm2_llm, smol):
-    from tests.test_taps import same_generation
+    from tests.engine.test_taps import same_generation
 
     taps = stats(smollm2_llm)["taps"]
     assert taps.index("model.layers.10") < taps.index(ATTENTION) < taps.index("model.layers.12.mlp")

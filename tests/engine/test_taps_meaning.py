@@ -11,7 +11,7 @@ import pytest
 import torch
 from vllm import SamplingParams
 
-from tests.test_taps import PROMPT, same_generation
+from tests.engine.test_taps import PROMPT, same_generation
 from vllm_nnsight_plugin.taps.forms import block_form
 from vllm_nnsight_plugin.taps.lower import read_form
 from vllm_nnsight_plugin.taps.meaning import VALUE, canonical, inlined

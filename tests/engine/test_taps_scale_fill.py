@@ -10,7 +10,7 @@ import pytest
 import torch
 from vllm import SamplingParams
 
-from tests.test_taps import PROMPT, same_generation
+from tests.engine.test_taps import PROMPT, same_generation
 from vllm_nnsight_plugin.taps import ops
 from vllm_nnsight_plugin.taps.lower import Unlowered, _change, read_form
 

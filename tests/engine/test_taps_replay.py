@@ -489,7 +489,7 @@ def test_a_served_block_keeps_each_step_at_the_start_of_a_region_per_tap():
     """The tables alone: a request served at the sampler takes an entry and a region
     at each tap it reads; each step's rows land at the start of each region (over
     the step before's), as the two outputs in turn; both regions come back."""
-    from tests.test_taps import bounds
+    from tests.engine.test_taps import bounds
     from vllm_nnsight_plugin.taps.install import Lowered, TapTables
     from vllm_nnsight_plugin.taps.kept import step_rows
     from vllm_nnsight_plugin.taps.ops import KEEP_BOTH
@@ -525,7 +525,7 @@ def test_a_served_tap_wider_than_the_store_keeps_each_row_over_several_of_its_ro
     """A tap 7 wide beside a store 3 wide (an MLP's neurons beside the hidden state):
     once its width is seen, a served request's entry there takes 2 x 3 rows of the
     store per token row, and each step's rows read back whole."""
-    from tests.test_taps import bounds
+    from tests.engine.test_taps import bounds
     from vllm_nnsight_plugin.taps.install import Lowered, TapTables
     from vllm_nnsight_plugin.taps.kept import step_rows
     from vllm_nnsight_plugin.taps.ops import KEEP_BOTH

@@ -214,7 +214,7 @@ def test_processes_sharing_a_nonce_directory_accept_an_envelope_once(monkeypatch
         check_operator(sealed, KEY, NonceBook())  # another process's book
     another = seal(b"b", key=KEY, **VERSIONS)
     script = (
-        "import sys; from tests.test_gate import check_operator; from vllm_nnsight_plugin.wire.trust "
+        "import sys; from tests.unit.test_gate import check_operator; from vllm_nnsight_plugin.wire.trust "
         "import NonceBook; check_operator(sys.argv[1], sys.argv[2], NonceBook())"
     )
     first = subprocess.run([sys.executable, "-c", script, another, KEY], capture_output=True, text=True)

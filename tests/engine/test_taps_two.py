@@ -13,7 +13,7 @@ import textwrap
 
 import torch
 
-from tests.test_taps import PROMPT, same_generation
+from tests.engine.test_taps import PROMPT, same_generation
 from vllm_nnsight_plugin.taps.source import unpacked_in_two
 
 QKV = 576 + 192 + 192

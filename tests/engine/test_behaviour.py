@@ -382,7 +382,7 @@ def test_a_misspelled_sampling_keyword_is_refused_with_the_right_spelling(smol):
 
 
 def test_an_out_of_order_read_says_so(smol):
-    from tests.test_compiled import out_of_order
+    from tests.engine.test_compiled import out_of_order
 
     with pytest.raises(Exception, match="OutOfOrderError.*layers.10"):
         out_of_order(smol)

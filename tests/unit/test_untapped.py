@@ -1,7 +1,7 @@
 """What the client says, before a trace goes, of the locations a block names that no
 tap of its compiled engine serves (``taps/replay.untapped``, read off the module
 tree with ``taps/install.served_locations``; the warning itself on a compiled
-engine is in ``tests/test_compiled.py``)."""
+engine is in ``tests/engine/test_compiled.py``)."""
 
 from __future__ import annotations
 

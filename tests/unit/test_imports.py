@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "vllm_nnsight_plugin"
+PACKAGE = Path(__file__).resolve().parents[2] / "vllm_nnsight_plugin"
 
 #: What the adapters to vLLM (``seams/``) may import of the package besides
 #: themselves: the wire formats they recognise a request by. The policy (``front``,
