@@ -1,6 +1,6 @@
-"""Unit tests start no engine: each one runs with vLLM's engine configuration
-refused (every engine, offline or async, builds one first), so a test that needs
-an engine fails here and belongs in ``tests/engine/``."""
+"""Unit tests start no engine: each one runs with vLLM's offline and async engines
+refused, so a test that needs an engine fails here and belongs in ``tests/engine/``.
+(Their constructors: the plugin wraps neither, so the refusal never meets a wrap.)"""
 
 from __future__ import annotations
 
@@ -17,11 +17,14 @@ def _refuse(*args, **kwargs):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.llm_engine import LLMEngine
 
-    original = EngineArgs.__dict__["create_engine_config"]
-    EngineArgs.create_engine_config = _refuse
+    originals = {owner: owner.__dict__["__init__"] for owner in (LLMEngine, AsyncLLM)}
+    for owner in originals:
+        owner.__init__ = _refuse
     try:
         return (yield)
     finally:
-        EngineArgs.create_engine_config = original
+        for owner, original in originals.items():
+            owner.__init__ = original
