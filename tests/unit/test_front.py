@@ -1,0 +1,112 @@
+"""The front end's policy (``front.py``) without an engine: what it answers the
+input-processing seam for plain, unvouched, vouched and last-row requests, and
+that the seams call vLLM as it is while no policy is set."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from vllm import SamplingParams
+
+from vllm_nnsight_plugin.front import FrontEnd
+from vllm_nnsight_plugin.prefix import CLAIM_KEY, LAST_ROWS
+from vllm_nnsight_plugin.wire.envelope import EXTRA_ARGS_KEY
+from vllm_nnsight_plugin.wire.trust import (
+    LOCAL_SIGNATURE_KEY,
+    VOUCHED_KEY,
+    RefusedBlockError,
+    Vouched,
+    ensure_local_key,
+)
+
+#: An input processor with no edit installed, on an engine of one rank.
+PROCESSOR = SimpleNamespace(vllm_config=SimpleNamespace(parallel_config=SimpleNamespace()))
+
+
+def vouched(envelope: str = "nns2:block", **extra) -> SamplingParams:
+    return SamplingParams(extra_args={EXTRA_ARGS_KEY: envelope, VOUCHED_KEY: Vouched(envelope), **extra})
+
+
+def test_a_plain_request_is_left_as_it_came():
+    params = SamplingParams(max_tokens=3)
+    assert FrontEnd().admit(PROCESSOR, "r", params) is None
+    assert FrontEnd().admit(PROCESSOR, "r", SamplingParams(extra_args={"other": 1})) is None
+
+
+def test_a_block_nobody_vouched_for_is_refused_as_a_bad_request():
+    from vllm.exceptions import VLLMValidationError
+
+    params = SamplingParams(extra_args={EXTRA_ARGS_KEY: "nns2:block"})
+    with pytest.raises(RefusedBlockError, match="neither built in this process") as refused:
+        FrontEnd().admit(PROCESSOR, "r", params)
+    assert isinstance(refused.value, VLLMValidationError)  # vLLM answers it with 400
+
+
+def test_a_vouched_block_is_signed_computed_whole_and_salted_on_a_copy():
+    ensure_local_key()
+    given = vouched()
+    params, salt = FrontEnd().admit(PROCESSOR, "r-1", given)
+    assert salt == "vllm-nnsight:r-1"  # its KV is its own
+    assert params is not given and VOUCHED_KEY in given.extra_args  # the caller's stay as they were
+    assert VOUCHED_KEY not in params.extra_args and params.extra_args[LOCAL_SIGNATURE_KEY]
+
+
+def test_a_block_that_reads_only_the_last_rows_shares_the_prefix_cache():
+    ensure_local_key()
+    params, salt = FrontEnd().admit(PROCESSOR, "r", vouched(**{CLAIM_KEY: LAST_ROWS}))
+    assert salt is None and params.extra_args[LOCAL_SIGNATURE_KEY]
+
+
+def test_a_signature_sent_from_outside_is_dropped_from_a_plain_request():
+    params, salt = FrontEnd().admit(
+        PROCESSOR, "r", SamplingParams(extra_args={LOCAL_SIGNATURE_KEY: "forged"})
+    )
+    assert salt is None and LOCAL_SIGNATURE_KEY not in params.extra_args
+
+
+def test_blocks_on_a_pipeline_parallel_engine_are_refused_with_the_reason():
+    ensure_local_key()
+    staged = SimpleNamespace(
+        vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=2))
+    )
+    with pytest.raises(RefusedBlockError, match="pipeline_parallel_size"):
+        FrontEnd().admit(staged, "r", vouched())
+
+
+class Engine:
+    """An offline engine as the policy sees it: its workers' answers to a collect."""
+
+    def __init__(self):
+        self.calls = []
+        self.input_processor = SimpleNamespace()  # no edit installed
+
+    def collective_rpc(self, method, args=()):
+        self.calls.append((method, args[0]))
+        return [None]  # one worker, nothing saved
+
+
+def test_an_offline_engine_collects_a_traced_request_once_when_it_finishes():
+    from vllm_nnsight_plugin.wire import rpc
+
+    engine, front = Engine(), FrontEnd()
+    front.added(engine, "traced", vouched())
+    front.added(engine, "plain", SamplingParams())
+    running = SimpleNamespace(request_id="traced", finished=False)
+    front.stepped(engine, [running, SimpleNamespace(request_id="plain", finished=True)])
+    assert engine.calls == []  # nothing of ours finished
+    done = SimpleNamespace(request_id="traced", finished=True, outputs=[])
+    front.stepped(engine, [done])
+    front.stepped(engine, [done])  # reported again: collected once
+    assert engine.calls == [(rpc.COLLECT, ["traced"])]
+    assert done.nnsight_saves == {} and done.nnsight_error is None
+
+
+def test_an_aborted_traced_request_is_wound_up_on_the_workers():
+    from vllm_nnsight_plugin.wire import rpc
+
+    engine, front = Engine(), FrontEnd()
+    front.added(engine, "traced", vouched())
+    front.aborted(engine, ["traced", "unknown"])
+    front.aborted(engine, ["traced"])
+    assert engine.calls == [(rpc.COLLECT, ["traced"])]
