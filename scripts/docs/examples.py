@@ -1,7 +1,7 @@
 """Run every docs page's Python examples, keep what each printed and the pictures
 it drew, for the site (``mkdocs build`` puts the output under each example).
 
-    python scripts/docs/examples.py [--paths FILE] [PAGE.md ...]
+    python scripts/docs/examples.py [--paths FILE] [PAGE.md ... | --in-two]
 
 - Pages run in the order of ``mkdocs.yml``'s nav (or the ones named), in one
   process, each in a namespace of its own, its blocks one after the other,
@@ -32,6 +32,8 @@ it drew, for the site (``mkdocs build`` puts the output under each example).
   ``VLLM_NNSIGHT_TAPS`` set, every engine a page builds without taps of its own
   gets those: the docs' examples as written, on a tapped engine. Engines a page
   builds in other processes (a server, the async engine) are not counted.
+
+- With ``--in-two``: every page, in two processes side by side (:func:`in_two`).
 
 The exit status is the number of pages that failed; each failure is printed
 with its traceback.
@@ -243,12 +245,55 @@ def coverage(paths: dict) -> str:
     )
 
 
+def own_taps(pages: list[str]) -> list[str]:
+    """The pages whose examples build an engine with taps of their own."""
+    return [page for page in pages if "taps=[" in "\n".join(blocks((DOCS / page).read_text()))]
+
+
 def engines_together(pages: list[str]) -> list[str]:
     """The pages, those whose examples build an engine with taps of their own last:
     the pages on the default engine then run one after another on one engine, which
     starts once instead of again after each page with taps between them."""
-    own = [page for page in pages if "taps=[" in "\n".join(blocks((DOCS / page).read_text()))]
+    own = own_taps(pages)
     return [page for page in pages if page not in own] + own
+
+
+#: vLLM's CPU setting for the cores an engine's workers compute on.
+CORE_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def in_two(target: Path | None) -> int:
+    """Every page, as two processes side by side: the pages on the default engine,
+    and those whose engines have taps of their own (about half the time each). A
+    vLLM CPU engine computes on one core, and vLLM gives every engine the first
+    one, so on a CPU of two or more cores the second process's engines take the
+    second core; the first keeps vLLM's choice (one of its pages builds two
+    tensor-parallel ranks). Their paths are written to ``target`` as one."""
+    import subprocess
+    import tempfile
+
+    pages = nav_pages()
+    groups = [[page for page in pages if page not in own_taps(pages)], own_taps(pages)]
+    with tempfile.TemporaryDirectory() as scratch:
+        running = []
+        for number, group in enumerate(groups):
+            env = {name: value for name, value in os.environ.items() if name != CORE_BIND}
+            if number and (os.cpu_count() or 1) > 1:
+                env[CORE_BIND] = str(number % (os.cpu_count() or 1))
+            command = [sys.executable, __file__]
+            if target is not None:
+                command += ["--paths", str(Path(scratch) / f"{number}.json")]
+            running.append(subprocess.Popen(command + group, env=env))
+        failed = sum(process.wait() for process in running)
+        if target is not None:
+            paths: dict = {}
+            for number in range(len(groups)):
+                part = Path(scratch) / f"{number}.json"
+                if part.exists():
+                    paths.update(json.loads(part.read_text()))
+            target.write_text(json.dumps(paths, indent=1, sort_keys=True) + "\n")
+            print(coverage(paths))
+    return failed
 
 
 def main(argv: list[str]) -> int:
@@ -257,6 +302,8 @@ def main(argv: list[str]) -> int:
     target = None
     if argv[:1] == ["--paths"]:
         target, argv = Path(argv[1]).resolve(), argv[2:]
+    if argv == ["--in-two"]:
+        return in_two(target)
     paths: dict | None = {} if target is not None else None
     pages = argv or engines_together(nav_pages())
     IMAGES.mkdir(parents=True, exist_ok=True)

@@ -45,12 +45,13 @@ def test_every_example_runs_and_the_site_builds_strict_with_their_outputs(tmp_pa
 
     paths = tmp_path / "paths.json"
     ran = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "docs" / "examples.py"), "--paths", str(paths)],
+        [sys.executable, str(ROOT / "scripts" / "docs" / "examples.py"), "--paths", str(paths), "--in-two"],
         capture_output=True,
         text=True,
         timeout=3000,
         cwd=ROOT,
-        # vLLM places the pages' engines (one page builds two tensor-parallel ranks).
+        # The runner places its two processes' engines (one page builds two
+        # tensor-parallel ranks).
         env={**{k: v for k, v in os.environ.items() if k != CORE_BIND}, "VLLM_NNSIGHT_TAPS": DOCS_TAPS},
     )
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-8000:]
