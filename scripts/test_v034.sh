@@ -19,7 +19,7 @@ if ! python -c "import vllm, nnsight, vllm_nnsight_plugin, pytest, xdist, transf
   python -m pip install -q --upgrade pip
   python -m pip install -q "$WHEEL"
   python -m pip install -q -e . --no-deps
-  python -m pip install -q "nnsight==0.8.1" "pytest>=8" "pytest-xdist>=3" "openai>=1" "transformers>=4.50" gguf accelerate safetensors tokenizers httpx
+  python -m pip install -q "nnsight==0.8.1" "pytest>=8" "pytest-xdist>=3.6" "openai>=1" "transformers>=4.50" gguf accelerate safetensors tokenizers httpx
 fi
 python - <<'PY'
 import nnsight, torch, vllm
@@ -29,7 +29,7 @@ PY
 # would override that on vLLM 0.34's CPU platform.
 unset VLLM_CPU_KVCACHE_SPACE
 python -m vllm_nnsight_plugin.models.smollm2 > /dev/null
-python -m pytest -n "${TEST_WORKERS:-2}" --dist loadfile \
+python -m pytest -n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder \
   tests/unit/test_runners.py tests/engine/test_seams.py tests/engine/test_behaviour.py tests/engine/test_preemption.py \
   tests/engine/test_chunked_prefill.py tests/engine/test_taps.py tests/engine/test_taps_keep.py tests/engine/test_taps_source.py \
   tests/engine/test_taps_replay.py \

@@ -35,8 +35,9 @@ if _worker_index() and (os.cpu_count() or 1) > 1:
     os.environ.setdefault(CORE_BIND, str(_worker_index() % (os.cpu_count() or 1)))
 
 #: The modules that take longest (engines of their own, or many requests), run
-#: first: with several workers (``--dist loadfile``) the short ones then fill in
-#: around them instead of one long module finishing last.
+#: first: with several workers (``--dist loadfile --no-loadscope-reorder``, which
+#: keeps this order; xdist's own puts the modules with most tests first) the short
+#: ones then fill in around them instead of one long module finishing last.
 LONGEST_FIRST = (
     "test_docs.py",
     "test_compiled.py",
