@@ -11,7 +11,7 @@ import pytest
 
 from tests.engines import CORE_BIND, ENGINE_DEFAULTS
 
-# One engine at a time uses both cores; keep the client's torch from competing.
+# An engine computes on one core (two workers: one each); keep the client's torch to one thread beside it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # How long a worker keeps a block nobody collected (default 30 s); short here so
 # the test of that expiry does not wait.
