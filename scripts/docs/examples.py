@@ -273,7 +273,8 @@ def in_two(target: Path | None) -> int:
     import tempfile
 
     pages = nav_pages()
-    groups = [[page for page in pages if page not in own_taps(pages)], own_taps(pages)]
+    own = own_taps(pages)
+    groups = [[page for page in pages if page not in own], own]
     with tempfile.TemporaryDirectory() as scratch:
         running = []
         for number, group in enumerate(groups):

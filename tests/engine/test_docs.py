@@ -20,8 +20,6 @@ sys.path.insert(0, str(ROOT / "scripts" / "docs"))
 
 import examples  # noqa: E402  (scripts/docs/examples.py)
 
-from tests.engines import CORE_BIND  # noqa: E402
-
 #: Pages that hold no example (prose and tables only).
 PROSE = frozenset({"comparisons.md"})
 
@@ -50,9 +48,7 @@ def test_every_example_runs_and_the_site_builds_strict_with_their_outputs(tmp_pa
         text=True,
         timeout=3000,
         cwd=ROOT,
-        # The runner places its two processes' engines (one page builds two
-        # tensor-parallel ranks).
-        env={**{k: v for k, v in os.environ.items() if k != CORE_BIND}, "VLLM_NNSIGHT_TAPS": DOCS_TAPS},
+        env={**os.environ, "VLLM_NNSIGHT_TAPS": DOCS_TAPS},  # the runner places its engines on cores
     )
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-8000:]
     expected = json.loads((ROOT / "tests" / "docs_paths.json").read_text())

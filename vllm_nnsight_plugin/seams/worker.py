@@ -389,7 +389,7 @@ def fused_layout(module: Any) -> tuple[list[int], list[int]] | None:
     """``(each piece's width on one rank, how many ranks hold each piece's same
     slice)`` for a fused column-parallel module; None for any other module."""
     sizes = getattr(module, "output_sizes", None)
-    tp = getattr(module, "tp_size", 1)
+    tp = tensor_parallel_size(module)
     if not sizes or len(sizes) < 2 or tp < 2:
         return None
     widths = [size // tp for size in sizes]
