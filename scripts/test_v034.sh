@@ -15,11 +15,11 @@ done
 PY=${PYTHON:-python3.11}
 [ -x .venv-v034/bin/python ] || "$PY" -m venv .venv-v034
 . .venv-v034/bin/activate
+. scripts/installing.sh
 if ! python -c "import vllm, nnsight, vllm_nnsight_plugin, pytest, xdist, transformers, openai" 2>/dev/null; then
-  python -m pip install -q --upgrade pip
-  python -m pip install -q "$WHEEL"
-  python -m pip install -q -e . --no-deps
-  python -m pip install -q "nnsight==0.8.1" "pytest>=8" "pytest-xdist>=3.6" "openai>=1" "transformers>=4.50" gguf accelerate safetensors tokenizers httpx
+  pip_install python "$WHEEL"
+  pip_install python -e . --no-deps
+  pip_install python "nnsight==0.8.1" "pytest>=8" "pytest-xdist>=3.6" "openai>=1" "transformers>=4.50" gguf accelerate safetensors tokenizers httpx
 fi
 python - <<'PY'
 import nnsight, torch, vllm

@@ -5,8 +5,6 @@ with that fallback switched off, a module location is refused, never ignored."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from vllm import SamplingParams
@@ -14,6 +12,7 @@ from vllm import SamplingParams
 from tests.conftest import SESSION_SITES, SESSION_TAPS, start_llm, stop_llm
 from tests.engine.test_taps import same_generation, steer_as_python, steer_seeds_loop
 from tests.engine.test_taps_keep import keep_lowered, keep_python
+from tests.engines import environment
 from vllm_nnsight_plugin import VLLM
 
 PROMPT = "The capital of France is"
@@ -49,12 +48,20 @@ def steered_reads(model, vector, steps=4):
     return reads, logits, list(out.outputs[0].token_ids)
 
 
+#: vLLM's compile cache, the form it loads back on a CPU. Its default there (an AOT
+#: artifact, 0.32) is written and never loaded ("no attribute 'finalize_loading'" in
+#: the log), so every compiled engine compiled again; this form lets the second
+#: engine of this module load what the first compiled (same model, settings, taps).
+COMPILE_CACHE = {"VLLM_USE_AOT_COMPILE": "0"}
+
+
 @pytest.fixture(scope="module")
 def compiled(smollm2_path):
     # Tapped as the session engine is: the tests below that run as Python check that a
     # tap passes every row it is not asked to steer through unchanged.
     taps = {"nnsight_taps": SESSION_TAPS}
-    llm = start_llm(smollm2_path, enforce_eager=False, additional_config=taps)
+    with environment(COMPILE_CACHE):
+        llm = start_llm(smollm2_path, enforce_eager=False, additional_config=taps)
     yield llm
     stop_llm(llm)
 
@@ -387,11 +394,9 @@ def test_the_client_says_which_locations_are_not_taps_before_it_sends(compiled):
 @pytest.fixture(scope="module")
 def compiled_no_fallback(smollm2_path, compiled):
     stop_llm(compiled)  # one engine at a time on two cores
-    os.environ["VLLM_NNSIGHT_EAGER_STEPS"] = "0"  # read by the workers it spawns
-    try:
+    # The setting is read by the workers the engine spawns; the graphs are the first engine's.
+    with environment({**COMPILE_CACHE, "VLLM_NNSIGHT_EAGER_STEPS": "0"}):
         llm = start_llm(smollm2_path, enforce_eager=False, additional_config={"nnsight_taps": SESSION_TAPS})
-    finally:
-        del os.environ["VLLM_NNSIGHT_EAGER_STEPS"]
     yield llm
     stop_llm(llm)
 

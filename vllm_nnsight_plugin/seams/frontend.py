@@ -129,12 +129,17 @@ def generates(params: Any) -> bool:
 
 @functools.cache
 def _refused_class() -> type:
-    """:class:`RefusedBlockError` that vLLM also reads as a bad request (HTTP 400)."""
+    """The refusal class vLLM's front end knows: made on first use, as vLLM's
+    exceptions are importable only where vLLM is."""
     from vllm.exceptions import VLLMValidationError
 
     from ..wire.trust import RefusedBlockError
 
-    return type("RefusedBlockError", (VLLMValidationError, RefusedBlockError), {})
+    class RefusedByFrontEnd(VLLMValidationError, RefusedBlockError):
+        """:class:`RefusedBlockError` that vLLM also answers as a bad request (HTTP
+        400): refused in the front end, before the engine sees the request."""
+
+    return RefusedByFrontEnd
 
 
 def refused(message: str) -> Exception:
