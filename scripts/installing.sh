@@ -18,8 +18,10 @@ pip_install() {
     [ -z "$url" ] || indexes+=(--index-url "$url")
     for url in $(pip_setting "$py" extra-index-url); do indexes+=(--extra-index-url "$url"); done
     for url in $(pip_setting "$py" find-links); do indexes+=(--find-links "$url"); done
-    # pip's choice among several indexes: the best version found on any of them
-    "$py" -m uv pip install -q --python "$py" --index-strategy unsafe-best-match "${indexes[@]}" "$@"
+    # pip's choice among several indexes: the best version found on any of them;
+    # compiled as pip does, for processes that may not write bytecode (every spawned
+    # engine process would otherwise compile vLLM and torch again)
+    "$py" -m uv pip install -q --python "$py" --compile-bytecode --index-strategy unsafe-best-match "${indexes[@]}" "$@"
   else
     "$py" -m pip install -q "$@"
   fi

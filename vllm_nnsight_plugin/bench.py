@@ -48,6 +48,7 @@ def run_jobs(args: argparse.Namespace, jobs: list[str]) -> dict:
     from vllm import LLM, SamplingParams
 
     from vllm_nnsight_plugin.models.smollm2 import smollm2_path
+    from vllm_nnsight_plugin.seams.frontend import hidden_size_of
 
     llm = LLM(
         args.model or smollm2_path(),
@@ -90,7 +91,7 @@ def run_jobs(args: argparse.Namespace, jobs: list[str]) -> dict:
         model = VLLM(llm)
     layer = args.layer
     torch.manual_seed(0)
-    vector = torch.randn(llm.llm_engine.model_config.get_hidden_size())
+    vector = torch.randn(hidden_size_of(llm))
     vector = vector / vector.norm()
 
     def capture() -> int:

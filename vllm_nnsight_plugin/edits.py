@@ -28,6 +28,7 @@ import json
 from typing import Any
 
 from .errors import PluginError
+from .seams.frontend import engine_of, processor_of
 from .wire import rpc
 from .wire.edits import MAX_NAME_CHARS, EditChoiceError, select, wanted
 from .wire.trust import EDITS_KEY, local_signature
@@ -76,11 +77,6 @@ class EditBook:
     def take(self, request_id: str) -> bool:
         """Whether ``request_id`` was marked; it is not any more."""
         return self.marked.pop(request_id, False) is None
-
-
-def processor_of(engine: Any) -> Any:
-    """The ``InputProcessor`` of an ``LLM``, ``LLMEngine`` or ``AsyncLLM``."""
-    return getattr(engine, "llm_engine", engine).input_processor
 
 
 def book_of(processor: Any) -> EditBook | None:
@@ -153,7 +149,7 @@ def _clear_args(edit_ids: list[str] | None) -> tuple:
 
 def install(engine: Any, edit_id: str, envelope: str, name: str | None = None) -> None:
     """Install an edit (its block sealed in ``envelope``) on an ``LLM`` or ``LLMEngine``."""
-    core = getattr(engine, "llm_engine", engine)
+    core = engine_of(engine)
     args = _install_args(edit_id, envelope, name)
     refusal = _refused(_sync(core.collective_rpc(rpc.EDIT_INSTALL, args=args)))
     if refusal is not None:
@@ -184,7 +180,7 @@ def _unbook(engine: Any, edit_ids: list[str] | None) -> None:
 
 def clear(engine: Any, edit_ids: list[str] | None = None) -> None:
     """Clear edits (every one for None) on an ``LLM`` or ``LLMEngine``."""
-    core = getattr(engine, "llm_engine", engine)
+    core = engine_of(engine)
     _unbook(core, edit_ids)
     _sync(core.collective_rpc(rpc.EDIT_CLEAR, args=_clear_args(edit_ids)))
 
@@ -220,5 +216,4 @@ __all__ = [
     "install",
     "installed",
     "installed_on",
-    "processor_of",
 ]

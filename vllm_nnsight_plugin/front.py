@@ -21,6 +21,7 @@ from typing import Any
 from .seams.frontend import (
     Admission,
     cuda_with_triton,
+    engine_client_of,
     generates,
     parallel_config_of,
     refused,
@@ -144,7 +145,7 @@ class FrontEnd:
 
         xargs = getattr(request, "vllm_xargs", None)
         trusting = touches_trust(xargs)
-        if not trusting and not edits_installed(handler.engine_client):
+        if not trusting and not edits_installed(engine_client_of(handler)):
             return await answer()
         beam_search = bool(getattr(request, "use_beam_search", False))
         refusal = None
@@ -249,14 +250,16 @@ def sign_vouched(processor: Any, extra: dict) -> None:
 
 
 def edits_installed(engine: Any) -> bool:
-    from .edits import installed_on, processor_of
+    from .edits import installed_on
+    from .seams.frontend import processor_of
 
     return bool(installed_on(processor_of(engine)))
 
 
 def took_mark(engine: Any, request_id: str) -> bool:
     """Whether the engine's input processing marked this request for edits (once)."""
-    from .edits import book_of, processor_of
+    from .edits import book_of
+    from .seams.frontend import processor_of
 
     book = book_of(processor_of(engine))
     return book is not None and book.take(request_id)

@@ -108,3 +108,54 @@ def test_the_seams_import_no_policy():
     ours = {m for m in graph if m == "seams" or m.startswith("seams.")}
     reached = {m: sorted(graph[m] - ours - SEAMS_MAY_IMPORT) for m in ours}
     assert not {m: r for m, r in reached.items() if r}, reached
+
+
+#: The attributes of vLLM's engines and configs by which a module would reach into
+#: vLLM: ``seams/`` reads them and hands the rest of the package views
+#: (``seams.frontend.processor_of``, ``config_of``, ``served_engine``...), so a vLLM
+#: that moves one is a change there alone.
+VLLM_ATTRIBUTES = frozenset(
+    {
+        "llm_engine",
+        "engine_core",
+        "engine_client",
+        "input_processor",
+        "vllm_config",
+        "model_config",
+        "parallel_config",
+    }
+)
+
+
+def vllm_reads(tree: ast.AST) -> list[tuple[int, str]]:
+    """Where a module reads one of :data:`VLLM_ATTRIBUTES`: ``x.name`` or
+    ``getattr(x, "name", ...)`` (a name bound or a keyword given is not a read)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in VLLM_ATTRIBUTES:
+            found.append((node.lineno, node.attr))
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr")
+            and len(node.args) > 1
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value in VLLM_ATTRIBUTES
+        ):
+            found.append((node.lineno, node.args[1].value))
+    return found
+
+
+def test_only_the_seams_read_vllms_engines_and_configs():
+    outside = {
+        f"{module}:{line} {name}"
+        for module, path in _modules().items()
+        if module != "seams" and not module.startswith("seams.")
+        for line, name in vllm_reads(ast.parse(path.read_text()))
+    }
+    assert not outside, sorted(outside)
+
+
+def test_the_reading_finds_a_read_of_vllms_engine():
+    code = 'a = llm.llm_engine\nb = getattr(engine, "vllm_config", None)\nmodel_config = 1\nf(engine_core=2)'
+    assert vllm_reads(ast.parse(code)) == [(1, "llm_engine"), (2, "vllm_config")]

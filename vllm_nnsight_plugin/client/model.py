@@ -43,6 +43,7 @@ from nnsight.tracing.backend import Backend
 
 from ..prefix import CLAIM_KEY, LAST_ROWS, last_rows_only, names_used
 from ..returns.outputs import RESULT_KEY, UNREAD
+from ..seams.frontend import config_of, model_path_of
 from ..versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT, UnsupportedVersion, check_nnsight
 from ..wire.edits import EDITS_KEY
 from ..wire.envelope import EXTRA_ARGS_KEY, seal
@@ -214,8 +215,7 @@ class VLLM(Edits, _NNsightVLLM):
         if _is_llm(model) or _is_async_llm(model):
             self._given_llm = model
             mode = "async" if _is_async_llm(model) else "sync"
-            engine = model if mode == "async" else model.llm_engine
-            model = engine.vllm_config.model_config.model
+            model = model_path_of(model)
             kwargs["dispatch"] = True
         super().__init__(model, *args, mode=mode, **kwargs)
 
@@ -390,9 +390,7 @@ class VLLM(Edits, _NNsightVLLM):
         if "_served_locations" in self.__dict__:
             return self.__dict__["_served_locations"]
         engine = self.__dict__.get("vllm_entrypoint")
-        config = getattr(engine, "vllm_config", None) or getattr(
-            getattr(engine, "llm_engine", None), "vllm_config", None
-        )
+        config = config_of(engine)
         meta_model = self.__dict__.get("_module")
         if config is None or meta_model is None:
             return None

@@ -61,7 +61,8 @@ def finished_for_workers(engine: Any, outputs: list) -> bytes:
     installed between the request's start and its processing gave it copies)."""
     import pickle
 
-    from ..edits import book_of, processor_of
+    from ..edits import book_of
+    from ..seams.frontend import processor_of
 
     unread = engine.__dict__.get("_nnsight_unread") or ()
     book = book_of(processor_of(engine)) if unread else None

@@ -109,6 +109,7 @@ from .engine import patch_scheduler
 from .extension import COMPOSED_PREFIX, EXTENSION, composed_name, composed_user, extension_for
 from .frontend import (
     building_meta_tree,
+    config_of,
     patch_async_llm,
     patch_build_app,
     patch_engine_args,
@@ -182,6 +183,7 @@ __all__ = [
     "cached_rows",
     "carries_block",
     "check",
+    "config_of",
     "composed_name",
     "COMPOSED_PREFIX",
     "composed_user",

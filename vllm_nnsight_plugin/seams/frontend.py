@@ -173,9 +173,53 @@ def building_meta_tree() -> Iterator[None]:
         torch.accelerator.empty_cache = empty_cache
 
 
-def parallel_config_of(processor: Any) -> Any:
-    """An input processor's engine's parallel layout (``ParallelConfig``), or None."""
-    return getattr(getattr(processor, "vllm_config", None), "parallel_config", None)
+def parallel_config_of(holder: Any) -> Any:
+    """The parallel layout (``ParallelConfig``) of an engine, engine client or input
+    processor: whatever holds a ``vllm_config``; None for anything else."""
+    return getattr(config_of(holder), "parallel_config", None)
+
+
+def engine_of(llm: Any) -> Any:
+    """The ``LLMEngine`` of an ``LLM``; an engine or engine client as it is."""
+    return getattr(llm, "llm_engine", llm)
+
+
+def config_of(engine: Any) -> Any:
+    """The ``VllmConfig`` of an ``LLM``, ``LLMEngine``, ``AsyncLLM`` or input
+    processor; None for anything else."""
+    return getattr(engine, "vllm_config", None) or getattr(engine_of(engine), "vllm_config", None)
+
+
+def processor_of(engine: Any) -> Any:
+    """The ``InputProcessor`` of an ``LLM``, ``LLMEngine`` or ``AsyncLLM``."""
+    return engine_of(engine).input_processor
+
+
+def model_path_of(engine: Any) -> str:
+    """The model an engine was built from (its path or hub name); empty if unknown."""
+    return str(getattr(getattr(config_of(engine), "model_config", None), "model", "") or "")
+
+
+def engine_client_of(handler: Any) -> Any:
+    """The engine client an OpenAI serving handler sends its requests to."""
+    return handler.engine_client
+
+
+def hidden_size_of(engine: Any) -> int:
+    """The model's hidden size (its residual stream's width)."""
+    return config_of(engine).model_config.get_hidden_size()
+
+
+def served_engine(state: Any) -> Any:
+    """The OpenAI server's engine client (its app's ``state``), or None where the
+    server runs no engine."""
+    engine = getattr(state, "engine_client", None)
+    return engine if engine is not None and hasattr(engine, "input_processor") else None
+
+
+def server_args(state: Any) -> Any:
+    """The OpenAI server's parsed arguments (its app's ``state``), or None."""
+    return getattr(state, "args", None)
 
 
 def unsupported_parallelism(parallel: Any) -> str | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import BlocksOffError, NoEngineError, PluginError, http_answer
+from ..seams.frontend import served_engine
 from ..settings import blocks_off
 from ..wire.edits import COMMAND_HEADER, check_command
 from ..wire.trust import OPERATOR_KEY_ENV, OPERATOR_KEY_FILE_ENV, UntrustedBlockError, operator_key
@@ -55,7 +56,7 @@ async def authorized(request: Request, body: bytes) -> Any:
         )
     except UntrustedBlockError as error:
         raise UntrustedBlockError(str(error)) from None  # nothing of the request's parsing kept
-    engine = getattr(request.app.state, "engine_client", None)
-    if engine is None or not hasattr(engine, "input_processor"):
+    engine = served_engine(request.app.state)
+    if engine is None:
         raise NoEngineError("this server runs no engine.")
     return engine

@@ -45,16 +45,15 @@ def attach(app: Any) -> None:
 
 
 def _refusal_of_layout(request: Request, engine: Any) -> str | None:
-    from ..seams.frontend import unsupported_parallelism
+    from ..seams.frontend import parallel_config_of, server_args, unsupported_parallelism
 
-    args = getattr(request.app.state, "args", None)
+    args = server_args(request.app.state)
     if int(getattr(args, "api_server_count", 1) or 1) > 1:
         return (
             "this server runs several API server processes (--api-server-count > 1), and an "
             "edit installed through one would not be seen by the others; serve edits with one."
         )
-    config = getattr(engine, "vllm_config", None)
-    return unsupported_parallelism(getattr(config, "parallel_config", None))
+    return unsupported_parallelism(parallel_config_of(engine))
 
 
 async def _install(request: Request) -> Any:

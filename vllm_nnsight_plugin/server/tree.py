@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 from ..errors import PluginError
+from ..seams.frontend import model_path_of, server_args
 from ..wire import rpc
 from .commands import Request, authorized, error_response
 
@@ -54,11 +55,10 @@ async def _model(request: Request) -> Any:
 
 def _served_name(state: Any, engine: Any) -> str:
     """The name requests use for the model (``--served-model-name``, else its path)."""
-    args = getattr(state, "args", None)
+    args = server_args(state)
     names = getattr(args, "served_model_name", None)
     if isinstance(names, (list, tuple)) and names:
         return str(names[0])
     if isinstance(names, str) and names:
         return names
-    config = getattr(engine, "vllm_config", None)
-    return str(getattr(getattr(config, "model_config", None), "model", ""))
+    return model_path_of(engine)

@@ -504,7 +504,7 @@ def install(runner: Any, model: Any) -> TapTables | None:
     from .. import seams
     from ..settings import value
 
-    patterns = engine_taps(runner.vllm_config)
+    patterns = engine_taps(seams.config_of(runner))
     if not patterns:
         return None
     sites = _sites(model, patterns)
@@ -521,7 +521,7 @@ def install(runner: Any, model: Any) -> TapTables | None:
         device,
         seams.model_dtype(runner),
         tuples,
-        one_op=kernel_chosen(runner.vllm_config),
+        one_op=kernel_chosen(seams.config_of(runner)),
         bank_rows=2 * max_seqs + 16,
     )
     tables.returned_pairs = frozenset(
@@ -540,7 +540,7 @@ def install(runner: Any, model: Any) -> TapTables | None:
     tables.split = (
         tables.one_op
         and bool(value("VLLM_NNSIGHT_SPLIT_AT_TAPS"))
-        and seams.split_graph_at(runner.vllm_config, ops.SPLITTING)
+        and seams.split_graph_at(seams.config_of(runner), ops.SPLITTING)
     )
     logger.info(
         "vllm-nnsight: taps on %d site(s)%s: %s",

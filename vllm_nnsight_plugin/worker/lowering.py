@@ -60,7 +60,7 @@ class Lowering:
         self.replays: dict[str, Any] = {}
         #: Blocks on taps the tables cannot run go to the compiled forward's taps
         #: (``live.py``): where the forward is compiled (an eager one serves them anyway).
-        self.at_taps = runner is not None and not seams.engine_is_eager(runner.vllm_config)
+        self.at_taps = runner is not None and not seams.engine_is_eager(seams.config_of(runner))
 
     def lower(
         self,

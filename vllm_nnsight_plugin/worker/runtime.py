@@ -80,7 +80,7 @@ class WorkerRuntime:
         self.index: Any = None
         self.persistent: dict = {}
         self.limits = Limits.from_env()
-        self.eager = seams.engine_is_eager(runner.vllm_config)
+        self.eager = seams.engine_is_eager(seams.config_of(runner))
         # On a compiled engine, a step that runs a block runs its forward as Python
         # (module hooks fire there and nowhere else); every other step keeps the
         # engine's CUDA graphs and compiled code.
@@ -98,7 +98,7 @@ class WorkerRuntime:
         self.kernels: Any = None  # the eager kernels for a compiled engine's Python steps
         self.lowering = Lowering(runner)  # requests whose blocks run on the tap tables
         self.step: Step | None = None
-        self.stops = Stops(seams.schedules_ahead(runner.vllm_config))
+        self.stops = Stops(seams.schedules_ahead(seams.config_of(runner)))
         self.uncollected = Uncollected(float(settings.value(_UNCOLLECTED_ENV)))
         self.step_watch, self.pack_watch = watchdogs()
 
@@ -120,7 +120,7 @@ class WorkerRuntime:
         self.persistent = {**nns.persistent_objects(self.model), **envoy_references(self.model)}
         self.lowering.reads_are_copies = nns.reads_are_copies(self.model)
         if not self.eager:
-            self.kernels = seams.eager_kernels(module, runner.vllm_config)
+            self.kernels = seams.eager_kernels(module, seams.config_of(runner))
         module.register_forward_pre_hook(self._on_forward)
         self.adapter.hook_sampler(runner, self._on_logits, self._on_samples)
         logger.info(
