@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 
 import pytest
 
@@ -66,11 +67,20 @@ def start_llm(path: str, **overrides):
 
 
 def stop_llm(llm) -> None:
+    """Shut an engine down. vLLM's shutdown is mostly waiting for its processes to
+    exit (about 4 s); that runs on a thread of its own while this worker's tests go
+    on, and the worker waits for it before it exits."""
+    core = llm.llm_engine.engine_core
+    del llm
+    threading.Thread(target=_shut_down, args=(core,), name="engine-shutdown").start()
+
+
+def _shut_down(core) -> None:
     try:
-        llm.llm_engine.engine_core.shutdown()
+        core.shutdown()
     except Exception:
         pass
-    del llm
+    del core
     gc.collect()
 
 
