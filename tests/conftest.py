@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import gc
 import os
-import threading
 
 import pytest
 
@@ -67,20 +66,11 @@ def start_llm(path: str, **overrides):
 
 
 def stop_llm(llm) -> None:
-    """Shut an engine down. vLLM's shutdown is mostly waiting for its processes to
-    exit (about 4 s); that runs on a thread of its own while this worker's tests go
-    on, and the worker waits for it before it exits."""
-    core = llm.llm_engine.engine_core
-    del llm
-    threading.Thread(target=_shut_down, args=(core,), name="engine-shutdown").start()
-
-
-def _shut_down(core) -> None:
     try:
-        core.shutdown()
+        llm.llm_engine.engine_core.shutdown()
     except Exception:
         pass
-    del core
+    del llm
     gc.collect()
 
 
