@@ -1,6 +1,7 @@
 """Dependencies point one way: no import circle among the package's modules,
 counting imports inside functions too (a lazy import hides a circle from Python,
-not from a reader). Reads the source; no engine."""
+not from a reader), and only the adapters (``seams/``) read vLLM's engines and
+configs. Reads the source; no engine."""
 
 from __future__ import annotations
 
