@@ -1,8 +1,8 @@
 # Sourced by install.sh and test_v034.sh: `pip_install PYTHON ARGS...` installs
 # into PYTHON's virtual environment with uv, which resolves the same pins as pip
 # in a fraction of its time, reading pip's own index settings (its configuration
-# and PIP_* variables: uv reads neither); with pip where uv cannot be had, or
-# with PIP_ONLY=1.
+# and PIP_* variables: uv reads neither); with pip where uv cannot be had or
+# fails, or with PIP_ONLY=1.
 pip_setting() {  # $1 the python, $2 the pip setting; its variable wins
   local variable=PIP_$(echo "$2" | tr 'a-z-' 'A-Z_')
   if [ -n "${!variable:-}" ]; then echo "${!variable}"; else "$1" -m pip config get "global.$2" 2>/dev/null || true; fi
@@ -21,7 +21,8 @@ pip_install() {
     # pip's choice among several indexes: the best version found on any of them;
     # compiled as pip does, for processes that may not write bytecode (every spawned
     # engine process would otherwise compile vLLM and torch again)
-    "$py" -m uv pip install -q --python "$py" --compile-bytecode --index-strategy unsafe-best-match "${indexes[@]}" "$@"
+    "$py" -m uv pip install -q --python "$py" --compile-bytecode --index-strategy unsafe-best-match "${indexes[@]}" "$@" ||
+      { echo "uv could not install this; pip will" >&2; "$py" -m pip install -q "$@"; }
   else
     "$py" -m pip install -q "$@"
   fi
