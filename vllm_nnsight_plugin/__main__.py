@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-from .settings import value
+from .settings import MEMORY, value
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -90,7 +90,7 @@ def demo_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--gpu-memory-utilization",
         type=float,
-        default=float(value("VLLM_NNSIGHT_MEMORY")),
+        default=float(value(MEMORY)),
         help="vLLM's memory fraction (on CPU it sizes the KV cache; keep <= 0.3 there)",
     )
     parser.add_argument("--scale", type=float, default=40.0, help="steering strength")

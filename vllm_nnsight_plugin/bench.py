@@ -151,9 +151,11 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     def child(jobs: str, disable: bool) -> dict:
+        from vllm_nnsight_plugin.settings import DISABLE
+
         env = dict(os.environ)
         if disable:
-            env["VLLM_NNSIGHT_DISABLE"] = "1"
+            env[DISABLE] = "1"
         flags = [
             f"--{k}" if v is True else f"--{k}={v}"
             for k, v in vars(args).items()

@@ -161,15 +161,15 @@ def _first_process() -> bool:
 def _report_settings() -> None:
     """One line for settings the engine cannot use (blocks stay off, vLLM starts as
     usual), a warning for bad ones only a client or the demo reads."""
-    from .settings import CLIENT, blocks_off, problems, value
+    from .settings import CLIENT, KEY, KEY_FILE, blocks_off, problems, value
 
     off = blocks_off()
     if off:
         logger.error("vllm-nnsight: %s; vLLM serves requests without blocks.", off)
     for problem in problems(reader=CLIENT):
         logger.warning("vllm-nnsight: %s (read by the client or the demo only, not by this engine)", problem)
-    key_file = value("VLLM_NNSIGHT_KEY_FILE")
-    if key_file and not value("VLLM_NNSIGHT_KEY") and not os.path.isfile(key_file):
+    key_file = value(KEY_FILE)
+    if key_file and not value(KEY) and not os.path.isfile(key_file):
         logger.warning(
             "vllm-nnsight: VLLM_NNSIGHT_KEY_FILE names %s, which is not there: blocks from the "
             "network are off until it is.",

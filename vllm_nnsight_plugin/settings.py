@@ -138,9 +138,38 @@ class Setting:
         return self.reader == INTERNAL
 
 
+#: Every variable's name, declared here once: the package reads and quotes them
+#: by these constants.
+KEY = "VLLM_NNSIGHT_KEY"
+KEY_FILE = "VLLM_NNSIGHT_KEY_FILE"
+MAX_TTL_S = "VLLM_NNSIGHT_MAX_TTL_S"
+CLOCK_SKEW_S = "VLLM_NNSIGHT_CLOCK_SKEW_S"
+MAX_PAYLOAD_BYTES = "VLLM_NNSIGHT_MAX_PAYLOAD_BYTES"
+MAX_SAVE_BYTES = "VLLM_NNSIGHT_MAX_SAVE_BYTES"
+STEP_BUDGET_S = "VLLM_NNSIGHT_STEP_BUDGET_S"
+STEP_MEMORY_BYTES = "VLLM_NNSIGHT_STEP_MEMORY_BYTES"
+PACK_BUDGET_S = "VLLM_NNSIGHT_PACK_BUDGET_S"
+UNCOLLECTED_S = "VLLM_NNSIGHT_UNCOLLECTED_S"
+DISABLE = "VLLM_NNSIGHT_DISABLE"
+TAPS = "VLLM_NNSIGHT_TAPS"
+EAGER_STEPS = "VLLM_NNSIGHT_EAGER_STEPS"
+TAP_KERNEL = "VLLM_NNSIGHT_TAP_KERNEL"
+SPLIT_AT_TAPS = "VLLM_NNSIGHT_SPLIT_AT_TAPS"
+KEPT_BYTES = "VLLM_NNSIGHT_KEPT_BYTES"
+SHARED_SAVES_BYTES = "VLLM_NNSIGHT_SHARED_SAVES_BYTES"
+LEND_SAVES = "VLLM_NNSIGHT_LEND_SAVES"
+TRUST_SERVER = "VLLM_NNSIGHT_TRUST_SERVER"
+CACHE = "VLLM_NNSIGHT_CACHE"
+SMOLLM2_GGUF = "VLLM_NNSIGHT_SMOLLM2_GGUF"
+MEMORY = "VLLM_NNSIGHT_MEMORY"
+LOCAL_KEY = "VLLM_NNSIGHT_LOCAL_KEY"
+NONCE_DIR = "VLLM_NNSIGHT_NONCE_DIR"
+SWITCHED_OFF = "VLLM_NNSIGHT_SWITCHED_OFF"
+
+
 SETTINGS: tuple[Setting, ...] = (
     Setting(
-        "VLLM_NNSIGHT_KEY",
+        KEY,
         _text,
         None,
         "text",
@@ -148,7 +177,7 @@ SETTINGS: tuple[Setting, ...] = (
         secret=True,
     ),
     Setting(
-        "VLLM_NNSIGHT_KEY_FILE",
+        KEY_FILE,
         _path,
         None,
         "path",
@@ -157,30 +186,30 @@ SETTINGS: tuple[Setting, ...] = (
         "wins when both are set",
     ),
     Setting(
-        "VLLM_NNSIGHT_MAX_TTL_S",
+        MAX_TTL_S,
         _seconds(0),
         900.0,
         "seconds",
         "the longest lifetime a signed envelope may ask for",
     ),
     Setting(
-        "VLLM_NNSIGHT_CLOCK_SKEW_S",
+        CLOCK_SKEW_S,
         _seconds(0, zero=True),
         5.0,
         "seconds",
         "how far a client's clock may be behind the server's: a signed envelope or command made "
         "more than this before the server started serving is refused (a replay across a restart)",
     ),
-    Setting("VLLM_NNSIGHT_MAX_PAYLOAD_BYTES", _count(1), 64 << 20, "bytes", "the largest block accepted"),
+    Setting(MAX_PAYLOAD_BYTES, _count(1), 64 << 20, "bytes", "the largest block accepted"),
     Setting(
-        "VLLM_NNSIGHT_MAX_SAVE_BYTES",
+        MAX_SAVE_BYTES,
         _count(1),
         1 << 30,
         "bytes",
         "the most one request may save; over it the request fails with 422",
     ),
     Setting(
-        "VLLM_NNSIGHT_STEP_BUDGET_S",
+        STEP_BUDGET_S,
         _seconds(0, zero=True),
         60.0,
         "seconds",
@@ -188,7 +217,7 @@ SETTINGS: tuple[Setting, ...] = (
         "its request fails with 422 (`0`: no limit)",
     ),
     Setting(
-        "VLLM_NNSIGHT_STEP_MEMORY_BYTES",
+        STEP_MEMORY_BYTES,
         _count(0),
         4 << 30,
         "bytes",
@@ -197,7 +226,7 @@ SETTINGS: tuple[Setting, ...] = (
         "with 422 (`0`: no limit)",
     ),
     Setting(
-        "VLLM_NNSIGHT_PACK_BUDGET_S",
+        PACK_BUDGET_S,
         _seconds(0, zero=True),
         60.0,
         "seconds",
@@ -205,14 +234,14 @@ SETTINGS: tuple[Setting, ...] = (
         "fails with 422 (`0`: no limit)",
     ),
     Setting(
-        "VLLM_NNSIGHT_UNCOLLECTED_S",
+        UNCOLLECTED_S,
         _seconds(0),
         30.0,
         "seconds",
         "how long a worker keeps a finished request's block that nobody collected",
     ),
     Setting(
-        "VLLM_NNSIGHT_DISABLE",
+        DISABLE,
         _flag,
         False,
         "flag",
@@ -220,7 +249,7 @@ SETTINGS: tuple[Setting, ...] = (
         "`no`, `off`); read before every other setting",
     ),
     Setting(
-        "VLLM_NNSIGHT_TAPS",
+        TAPS,
         _taps,
         None,
         "patterns",
@@ -229,7 +258,7 @@ SETTINGS: tuple[Setting, ...] = (
         "CUDA with Triton, none elsewhere)",
     ),
     Setting(
-        "VLLM_NNSIGHT_EAGER_STEPS",
+        EAGER_STEPS,
         _flag,
         True,
         "flag",
@@ -237,7 +266,7 @@ SETTINGS: tuple[Setting, ...] = (
         "serves is refused before it runs, with `CompiledForwardError`",
     ),
     Setting(
-        "VLLM_NNSIGHT_TAP_KERNEL",
+        TAP_KERNEL,
         _flag,
         None,
         "flag",
@@ -246,7 +275,7 @@ SETTINGS: tuple[Setting, ...] = (
         "with Triton)",
     ),
     Setting(
-        "VLLM_NNSIGHT_SPLIT_AT_TAPS",
+        SPLIT_AT_TAPS,
         _flag,
         False,
         "flag",
@@ -256,7 +285,7 @@ SETTINGS: tuple[Setting, ...] = (
         "Python (unset: whole at the taps)",
     ),
     Setting(
-        "VLLM_NNSIGHT_KEPT_BYTES",
+        KEPT_BYTES,
         _count(1),
         None,
         "bytes",
@@ -264,7 +293,7 @@ SETTINGS: tuple[Setting, ...] = (
         "1 GiB; 128 MiB on a CPU)",
     ),
     Setting(
-        "VLLM_NNSIGHT_SHARED_SAVES_BYTES",
+        SHARED_SAVES_BYTES,
         _count(0),
         16 << 20,
         "bytes",
@@ -272,14 +301,14 @@ SETTINGS: tuple[Setting, ...] = (
         "device; `0`: always pickled",
     ),
     Setting(
-        "VLLM_NNSIGHT_LEND_SAVES",
+        LEND_SAVES,
         _flag,
         True,
         "flag",
         "`0`: never lend a collect on the device (shared memory instead)",
     ),
     Setting(
-        "VLLM_NNSIGHT_TRUST_SERVER",
+        TRUST_SERVER,
         _flag,
         False,
         "flag",
@@ -288,7 +317,7 @@ SETTINGS: tuple[Setting, ...] = (
         reader=CLIENT,
     ),
     Setting(
-        "VLLM_NNSIGHT_CACHE",
+        CACHE,
         _text,
         None,
         "path",
@@ -296,7 +325,7 @@ SETTINGS: tuple[Setting, ...] = (
         "is written (unset: `~/.cache/vllm-nnsight-plugin`)",
     ),
     Setting(
-        "VLLM_NNSIGHT_SMOLLM2_GGUF",
+        SMOLLM2_GGUF,
         _file,
         None,
         "path",
@@ -304,7 +333,7 @@ SETTINGS: tuple[Setting, ...] = (
         reader=CLIENT,
     ),
     Setting(
-        "VLLM_NNSIGHT_MEMORY",
+        MEMORY,
         _fraction,
         0.3,
         "fraction",
@@ -312,7 +341,7 @@ SETTINGS: tuple[Setting, ...] = (
         reader=CLIENT,
     ),
     Setting(
-        "VLLM_NNSIGHT_LOCAL_KEY",
+        LOCAL_KEY,
         _text,
         None,
         "text",
@@ -321,7 +350,7 @@ SETTINGS: tuple[Setting, ...] = (
         reader=INTERNAL,
     ),
     Setting(
-        "VLLM_NNSIGHT_NONCE_DIR",
+        NONCE_DIR,
         _text,
         None,
         "path",
@@ -329,7 +358,7 @@ SETTINGS: tuple[Setting, ...] = (
         reader=INTERNAL,
     ),
     Setting(
-        "VLLM_NNSIGHT_SWITCHED_OFF",
+        SWITCHED_OFF,
         _text,
         None,
         "text",
@@ -413,7 +442,7 @@ def disabled(environ: Mapping[str, str] | None = None) -> bool:
     """``VLLM_NNSIGHT_DISABLE``: set to anything but an off value (``0``, ``false``,
     ``no``, ``off`` or empty), the plugin is off. A value that is not a flag is
     taken as asking for off, the safe reading of a switch meant to turn it off."""
-    raw = (os.environ if environ is None else environ).get("VLLM_NNSIGHT_DISABLE", "")
+    raw = (os.environ if environ is None else environ).get(DISABLE, "")
     return raw.strip().lower() not in ("", *_FALSE)
 
 

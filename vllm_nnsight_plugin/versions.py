@@ -13,6 +13,7 @@ from __future__ import annotations
 from importlib import metadata
 
 from .errors import PluginError
+from .settings import SWITCHED_OFF
 
 PLUGIN_VERSION = "0.1.0"
 
@@ -27,7 +28,7 @@ MIN_VLLM = (0, 25)
 SUPPORTED_NNSIGHT = "0.8.1"
 #: Set by the process that decided to switch the plugin off (with the reason), so
 #: the engine processes it starts follow without deciding again.
-SWITCHED_OFF_ENV = "VLLM_NNSIGHT_SWITCHED_OFF"
+SWITCHED_OFF_ENV = SWITCHED_OFF
 
 
 class UnsupportedVersion(PluginError, RuntimeError):

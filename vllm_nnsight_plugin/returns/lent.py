@@ -27,7 +27,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-ENV = "VLLM_NNSIGHT_LEND_SAVES"
+from ..settings import LEND_SAVES
+
+ENV = LEND_SAVES
 
 _counts = {"pools_lent": 0, "bytes_lent": 0}
 

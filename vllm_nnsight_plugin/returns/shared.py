@@ -27,7 +27,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-MIN_BYTES_ENV = "VLLM_NNSIGHT_SHARED_SAVES_BYTES"
+from ..settings import SHARED_SAVES_BYTES
+
+MIN_BYTES_ENV = SHARED_SAVES_BYTES
 DEFAULT_MIN_BYTES = 16 << 20
 DIRECTORY = "/dev/shm"
 PREFIX = "vllm-nnsight-saves-"

@@ -502,7 +502,7 @@ class TapTables:
 def install(runner: Any, model: Any) -> TapTables | None:
     """Put the operations on every tapped module of ``model``; None when the engine has no taps."""
     from .. import seams
-    from ..settings import value
+    from ..settings import SPLIT_AT_TAPS, value
 
     patterns = engine_taps(seams.config_of(runner))
     if not patterns:
@@ -539,7 +539,7 @@ def install(runner: Any, model: Any) -> TapTables | None:
     # taps as Python, which costs prefills (``benchmarks/RESULTS.md``).
     tables.split = (
         tables.one_op
-        and bool(value("VLLM_NNSIGHT_SPLIT_AT_TAPS"))
+        and bool(value(SPLIT_AT_TAPS))
         and seams.split_graph_at(seams.config_of(runner), ops.SPLITTING)
     )
     logger.info(

@@ -25,9 +25,10 @@ import numpy as np
 
 from ..returns.cached import CachedSteps
 from ..returns.stacked import Stacked
+from ..settings import KEPT_BYTES
 from .ops import KEEP_BOTH
 
-KEPT_BYTES_ENV = "VLLM_NNSIGHT_KEPT_BYTES"
+KEPT_BYTES_ENV = KEPT_BYTES
 
 
 #: The store's share of a GPU's memory by default (at least 1 GiB): on an H200

@@ -22,6 +22,7 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from ..settings import TAP_KERNEL, TAPS
 from .patterns import LAYERS, TapError, parse
 
 #: Where an engine's taps travel: vLLM's ``additional_config`` (hashed into the
@@ -35,7 +36,7 @@ VERSION_KEY = "nnsight_taps_plugin"
 OPERATIONS = 4
 #: The same list for an engine the client did not build (``vllm serve``): JSON, or
 #: comma-separated patterns.
-ENV = "VLLM_NNSIGHT_TAPS"
+ENV = TAPS
 #: Where a worker keeps its runner's tap tables (on the runner).
 RUNNER_ATTR = "_vllm_nnsight_taps"
 
@@ -73,7 +74,7 @@ def taps_for(extra: dict | None, cuda_with_triton: Callable[[], bool]) -> tuple[
     empty: none), else ``VLLM_NNSIGHT_TAPS``, else :func:`defaults`."""
     from ..settings import value
 
-    kernel = value("VLLM_NNSIGHT_TAP_KERNEL")
+    kernel = value(TAP_KERNEL)
     if kernel is None:
         kernel = cuda_with_triton()
     if extra is not None and CONFIG_KEY in extra:

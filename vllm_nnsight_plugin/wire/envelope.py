@@ -81,11 +81,11 @@ class Limits(BaseModel):
 
     @classmethod
     def from_env(cls) -> Limits:
-        from ..settings import value
+        from ..settings import MAX_PAYLOAD_BYTES, MAX_SAVE_BYTES, value
 
         return cls(
-            max_payload_bytes=value("VLLM_NNSIGHT_MAX_PAYLOAD_BYTES"),
-            max_save_bytes=value("VLLM_NNSIGHT_MAX_SAVE_BYTES"),
+            max_payload_bytes=value(MAX_PAYLOAD_BYTES),
+            max_save_bytes=value(MAX_SAVE_BYTES),
         )
 
 

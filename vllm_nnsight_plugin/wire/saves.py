@@ -20,11 +20,13 @@ import io
 import threading
 from typing import Any, NamedTuple
 
+from ..settings import TRUST_SERVER
+
 #: The field the saves ride in, on responses and on the final stream event.
 RESPONSE_FIELD = "nnsight"
 #: Version of the response document below.
 SAVES_VERSION = 1
-TRUST_SERVER_ENV = "VLLM_NNSIGHT_TRUST_SERVER"
+TRUST_SERVER_ENV = TRUST_SERVER
 
 
 class DecodedSaves(NamedTuple):

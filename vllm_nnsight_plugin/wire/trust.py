@@ -34,10 +34,11 @@ import time
 
 from ..errors import PluginError
 from ..folders import UnsafeFolderError, private_folder
+from ..settings import CLOCK_SKEW_S, KEY, KEY_FILE, LOCAL_KEY, MAX_TTL_S, NONCE_DIR
 from .envelope import EXTRA_ARGS_KEY, Envelope, operator_signature, split_signature
 
 #: The environment variable holding the engine's local key.
-LOCAL_KEY_ENV = "VLLM_NNSIGHT_LOCAL_KEY"
+LOCAL_KEY_ENV = LOCAL_KEY
 #: The ``extra_args`` key carrying the local signature.
 LOCAL_SIGNATURE_KEY = "nnsight_local_sig"
 #: The ``extra_args`` key carrying a :class:`Vouched` marker (front end only).
@@ -49,12 +50,12 @@ EDITS_KEY = "nnsight_edits"
 MARK_KEY = "nnsight_edit_mark"
 #: The operator's key: set on a server to accept signed blocks over HTTP; a
 #: client reads the same variable to sign.
-OPERATOR_KEY_ENV = "VLLM_NNSIGHT_KEY"
+OPERATOR_KEY_ENV = KEY
 #: Or a file holding it, read on every request: a mounted secret, rotated (or
 #: emptied, which turns blocks off) without restarting the server.
-OPERATOR_KEY_FILE_ENV = "VLLM_NNSIGHT_KEY_FILE"
+OPERATOR_KEY_FILE_ENV = KEY_FILE
 #: The longest lifetime a server accepts on a signed envelope, in seconds.
-MAX_TTL_ENV = "VLLM_NNSIGHT_MAX_TTL_S"
+MAX_TTL_ENV = MAX_TTL_S
 DEFAULT_MAX_TTL_S = 900.0
 #: Shortest operator key accepted: a short secret is a guessable one.
 MIN_KEY_CHARS = 32
@@ -231,7 +232,7 @@ class NonceBook:
 
 
 #: The environment variable naming the engine family's shared nonce directory.
-NONCE_DIR_ENV = "VLLM_NNSIGHT_NONCE_DIR"
+NONCE_DIR_ENV = NONCE_DIR
 #: How often a process clears expired nonces out of the shared directory.
 _SHARED_PRUNE_S = 60.0
 
@@ -362,4 +363,4 @@ def made_since_serving(created: float) -> bool:
     """Whether something signed at ``created`` (the sender's clock) can be new here."""
     from ..settings import value
 
-    return math.isfinite(created) and created >= _SERVING_SINCE - float(value("VLLM_NNSIGHT_CLOCK_SKEW_S"))
+    return math.isfinite(created) and created >= _SERVING_SINCE - float(value(CLOCK_SKEW_S))

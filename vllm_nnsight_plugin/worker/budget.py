@@ -350,10 +350,10 @@ class Watchdog:
 
 def watchdogs() -> tuple[Watchdog, Watchdog]:
     """The step budget's watchdog and the packing budget's, as the settings say."""
-    from ..settings import value
+    from ..settings import PACK_BUDGET_S, STEP_BUDGET_S, STEP_MEMORY_BYTES, value
 
-    step_s, pack_s = float(value("VLLM_NNSIGHT_STEP_BUDGET_S")), float(value("VLLM_NNSIGHT_PACK_BUDGET_S"))
-    memory = int(value("VLLM_NNSIGHT_STEP_MEMORY_BYTES"))
+    step_s, pack_s = float(value(STEP_BUDGET_S)), float(value(PACK_BUDGET_S))
+    memory = int(value(STEP_MEMORY_BYTES))
     step = Watchdog(
         step_s,
         StepStop,

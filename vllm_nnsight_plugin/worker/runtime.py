@@ -59,9 +59,9 @@ PYTHON, TAPS = "python", "taps"
 
 logger = logging.getLogger("vllm_nnsight_plugin")
 
-_UNCOLLECTED_ENV = "VLLM_NNSIGHT_UNCOLLECTED_S"
+_UNCOLLECTED_ENV = settings.UNCOLLECTED_S
 #: ``0`` keeps every step compiled: a module location is then refused, not served.
-_EAGER_STEPS_ENV = "VLLM_NNSIGHT_EAGER_STEPS"
+_EAGER_STEPS_ENV = settings.EAGER_STEPS
 
 #: The worker's nnsight adapter, imported with the first block (``_build``).
 nns: Any = None
