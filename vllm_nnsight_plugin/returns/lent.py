@@ -29,8 +29,6 @@ from typing import Any
 
 from ..settings import LEND_SAVES
 
-ENV = LEND_SAVES
-
 _counts = {"pools_lent": 0, "bytes_lent": 0}
 
 
@@ -46,7 +44,7 @@ class LentFlat:
 def enabled() -> bool:
     from ..settings import value
 
-    return bool(value(ENV))
+    return bool(value(LEND_SAVES))
 
 
 def lend(flat: Any) -> LentFlat | None:
@@ -85,6 +83,6 @@ def opened(lent: LentFlat) -> Any:
     except Exception as error:
         raise RuntimeError(
             f"the engine left these saves on its GPU ({lent.device}) and this process could "
-            f"not open them ({error}). Start the engine with {ENV}=0 so they travel "
+            f"not open them ({error}). Start the engine with {LEND_SAVES}=0 so they travel "
             "through host memory."
         ) from error

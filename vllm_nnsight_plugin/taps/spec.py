@@ -34,9 +34,6 @@ VERSION_KEY = "nnsight_taps_plugin"
 #: The release of the tap operations (``ops.py``): a graph that calls an earlier
 #: release's operations is never reused.
 OPERATIONS = 4
-#: The same list for an engine the client did not build (``vllm serve``): JSON, or
-#: comma-separated patterns.
-ENV = TAPS
 #: Where a worker keeps its runner's tap tables (on the runner).
 RUNNER_ATTR = "_vllm_nnsight_taps"
 
@@ -56,7 +53,7 @@ def from_env() -> tuple[str, ...] | None:
     """``VLLM_NNSIGHT_TAPS``; None when unset (the default applies)."""
     from ..settings import value
 
-    found = value(ENV)
+    found = value(TAPS)
     return None if found is None else tuple(found)
 
 

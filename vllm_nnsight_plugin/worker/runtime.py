@@ -59,10 +59,6 @@ PYTHON, TAPS = "python", "taps"
 
 logger = logging.getLogger("vllm_nnsight_plugin")
 
-_UNCOLLECTED_ENV = settings.UNCOLLECTED_S
-#: ``0`` keeps every step compiled: a module location is then refused, not served.
-_EAGER_STEPS_ENV = settings.EAGER_STEPS
-
 #: The worker's nnsight adapter, imported with the first block (``_build``).
 nns: Any = None
 
@@ -85,7 +81,7 @@ class WorkerRuntime:
         # (module hooks fire there and nowhere else); every other step keeps the
         # engine's CUDA graphs and compiled code.
         # Unset or empty: on (an empty value is how a shell unsets it for a child).
-        self.eager_steps = bool(settings.value(_EAGER_STEPS_ENV))
+        self.eager_steps = bool(settings.value(settings.EAGER_STEPS))
         self.python_steps = 0
         self.served_at_sampler = 0  # taps served to blocks at the sampler (``taps/replay.py``)
         self.steps_at_taps = self.taps_handed = 0  # blocks run at the taps of a compiled forward
@@ -99,7 +95,7 @@ class WorkerRuntime:
         self.lowering = Lowering(runner)  # requests whose blocks run on the tap tables
         self.step: Step | None = None
         self.stops = Stops(seams.schedules_ahead(seams.config_of(runner)))
-        self.uncollected = Uncollected(float(settings.value(_UNCOLLECTED_ENV)))
+        self.uncollected = Uncollected(float(settings.value(settings.UNCOLLECTED_S)))
         self.step_watch, self.pack_watch = watchdogs()
 
     # ------------------------------------------------------------------ setup
@@ -250,10 +246,10 @@ class WorkerRuntime:
             request,
             nns.capture_exception(
                 CompiledForwardError(
-                    f"this engine runs no step's forward as Python ({_EAGER_STEPS_ENV}=0), and this "
+                    f"this engine runs no step's forward as Python ({settings.EAGER_STEPS}=0), and this "
                     f"block would need one: {why}. Ask the operator to tap what it reads (the "
                     'engine\'s `nnsight_taps` setting, e.g. "model.layers.*.output"), or run it on '
-                    f"an engine without {_EAGER_STEPS_ENV}=0."
+                    f"an engine without {settings.EAGER_STEPS}=0."
                 )
             ),
         )
@@ -672,8 +668,8 @@ class WorkerRuntime:
         """Why a module location was never reached on this compiled engine (started
         with Python steps off)."""
         why = (
-            f"it was started with {_EAGER_STEPS_ENV}=0, so a step with a block stays "
-            f"compiled. For module locations unset {_EAGER_STEPS_ENV} or build the "
+            f"it was started with {settings.EAGER_STEPS}=0, so a step with a block stays "
+            f"compiled. For module locations unset {settings.EAGER_STEPS} or build the "
             "engine with enforce_eager=True."
         )
         return (
