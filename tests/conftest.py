@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from tests.engines import CORE_BIND, ENGINE_DEFAULTS
+from tests.engines import CORE_BIND, ENGINE_DEFAULTS, core_of
 
 # An engine computes on one core (two workers: one each); keep the client's torch to one thread beside it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -28,11 +28,9 @@ def _worker_index() -> int | None:
     return int(name[2:]) if name.startswith("gw") and name[2:].isdigit() else None
 
 
-# With two test workers on a CPU, each one's engines compute on a core of their own:
-# vLLM's "auto" takes the first core for every engine, which would leave the second
-# to the front ends alone. The first worker keeps vLLM's choice.
-if _worker_index() and (os.cpu_count() or 1) > 1:
-    os.environ.setdefault(CORE_BIND, str(_worker_index() % (os.cpu_count() or 1)))
+# With two test workers on a CPU, each one's engines compute on a core of their own.
+if core_of(_worker_index()) is not None:
+    os.environ.setdefault(CORE_BIND, core_of(_worker_index()))
 
 #: The modules that take longest (engines of their own, or many requests), run
 #: first: with several workers (``--dist loadfile --no-loadscope-reorder``, which

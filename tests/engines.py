@@ -53,6 +53,15 @@ CORE_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 UNBOUND = {CORE_BIND: None}
 
 
+def core_of(place: int | None) -> str | None:
+    """The core for the engines of the ``place``-th of several processes side by
+    side (test workers, the docs runner's two): vLLM gives every engine the first
+    core, which would leave the others to the front ends alone. None (the first
+    process, a serial run, one core): vLLM's choice."""
+    cores = os.cpu_count() or 1
+    return str(place % cores) if place and cores > 1 else None
+
+
 @contextlib.contextmanager
 def environment(env: dict[str, str | None] | None) -> Iterator[None]:
     """``env`` set in this process while an engine starts (the processes it spawns

@@ -258,10 +258,6 @@ def engines_together(pages: list[str]) -> list[str]:
     return [page for page in pages if page not in own] + own
 
 
-#: vLLM's CPU setting for the cores an engine's workers compute on.
-CORE_BIND = "VLLM_CPU_OMP_THREADS_BIND"
-
-
 def in_two(target: Path | None) -> int:
     """Every page, as two processes side by side: the pages on the default engine,
     and those whose engines have taps of their own (about half the time each). A
@@ -272,6 +268,9 @@ def in_two(target: Path | None) -> int:
     import subprocess
     import tempfile
 
+    sys.path.insert(0, str(ROOT))
+    from tests.engines import CORE_BIND, core_of
+
     pages = nav_pages()
     own = own_taps(pages)
     groups = [[page for page in pages if page not in own], own]
@@ -279,8 +278,8 @@ def in_two(target: Path | None) -> int:
         running = []
         for number, group in enumerate(groups):
             env = {name: value for name, value in os.environ.items() if name != CORE_BIND}
-            if number and (os.cpu_count() or 1) > 1:
-                env[CORE_BIND] = str(number % (os.cpu_count() or 1))
+            if core_of(number) is not None:
+                env[CORE_BIND] = core_of(number)
             command = [sys.executable, __file__]
             if target is not None:
                 command += ["--paths", str(Path(scratch) / f"{number}.json")]
