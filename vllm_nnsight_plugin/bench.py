@@ -33,6 +33,9 @@ import subprocess
 import sys
 import time
 
+from vllm_nnsight_plugin.models.smollm2 import smollm2_path
+from vllm_nnsight_plugin.settings import DISABLE
+
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle number"
 _RUNS = iter(range(1_000_000))
 
@@ -47,7 +50,6 @@ def run_jobs(args: argparse.Namespace, jobs: list[str]) -> dict:
     import torch
     from vllm import LLM, SamplingParams
 
-    from vllm_nnsight_plugin.models.smollm2 import smollm2_path
     from vllm_nnsight_plugin.seams.frontend import hidden_size_of
 
     llm = LLM(
@@ -86,7 +88,7 @@ def run_jobs(args: argparse.Namespace, jobs: list[str]) -> dict:
 
     model = None
     if any(job in ("capture", "steer", "sweep") for job in jobs):
-        from vllm_nnsight_plugin import VLLM
+        from .client.model import VLLM
 
         model = VLLM(llm)
     layer = args.layer
@@ -151,8 +153,6 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     def child(jobs: str, disable: bool) -> dict:
-        from vllm_nnsight_plugin.settings import DISABLE
-
         env = dict(os.environ)
         if disable:
             env[DISABLE] = "1"

@@ -11,11 +11,14 @@ from __future__ import annotations
 import os
 import platform
 from collections.abc import Iterator
+from importlib.metadata import entry_points
+
+from .plugin import _disabled, switched_off
+from .settings import CLIENT, blocks_off, problems, value
+from .versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT, TESTED_VLLM, installed, vllm_version
 
 
 def _entry_point() -> str | None:
-    from importlib.metadata import entry_points
-
     for entry in entry_points(group="vllm.general_plugins"):
         if entry.value == "vllm_nnsight_plugin.plugin:register":
             return entry.name
@@ -27,8 +30,6 @@ def _trust() -> str:
 
     key = operator_key()
     if key is None:
-        from .settings import value
-
         where = OPERATOR_KEY_FILE_ENV if value(OPERATOR_KEY_FILE_ENV) else OPERATOR_KEY_ENV
         return f"no operator key ({where} unset or empty): a server here runs no block from the network"
     if len(key) < MIN_KEY_CHARS:
@@ -64,12 +65,7 @@ def _compile() -> str:
 
 def report() -> Iterator[tuple[str, str]]:
     """``(what, finding)`` pairs, in the order they are printed."""
-    from .plugin import _disabled, switched_off
-    from .versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT, TESTED_VLLM, installed, vllm_version
-
     yield "plugin", PLUGIN_VERSION
-    from .settings import CLIENT, blocks_off, problems
-
     off, others = blocks_off(), problems(reader=CLIENT)
     if off:
         yield "settings", f"wrong: {off} (vLLM starts and serves plain requests)"
@@ -107,11 +103,11 @@ def report() -> Iterator[tuple[str, str]]:
 
         reason = switched_off()
         root = installed_root()
-        problems = [] if root is None else missing(root, SEAMS, FACTS)
+        lacking = [] if root is None else missing(root, SEAMS, FACTS)
         if reason is not None:
             yield "seams", f"off: {reason}"
-        elif problems:
-            yield "seams", f"lacking (the plugin will fail where it needs it): {'; '.join(problems)}"
+        elif lacking:
+            yield "seams", f"lacking (the plugin will fail where it needs it): {'; '.join(lacking)}"
         else:
             yield "seams", f"all {len(SEAMS) + len(FACTS)} the plugin relies on are in this vLLM's source"
     yield "trust", _trust()
@@ -121,8 +117,8 @@ def report() -> Iterator[tuple[str, str]]:
 
 def main() -> int:
     width = 13
-    problems = 0
+    wrong = 0
     for what, finding in report():
         print(f"{what:<{width}} {finding}")
-        problems += finding.startswith(("off:", "missing", "lacking", "wrong")) or "but blocks are" in finding
-    return 1 if problems else 0
+        wrong += finding.startswith(("off:", "missing", "lacking", "wrong")) or "but blocks are" in finding
+    return 1 if wrong else 0

@@ -28,7 +28,8 @@ import json
 from typing import Any
 
 from .errors import PluginError
-from .seams.frontend import engine_of, processor_of
+from .seams.frontend import engine_of, processor_of, rpc_every_engine
+from .settings import blocks_off
 from .wire import rpc
 from .wire.edits import MAX_NAME_CHARS, EditChoiceError, select, wanted
 from .wire.trust import EDITS_KEY, local_signature
@@ -113,8 +114,6 @@ def check_name(name: Any) -> str | None:
 
 # ---------------------------------------------------------------------- install
 def _install_args(edit_id: str, envelope: str, name: str | None) -> tuple:
-    from .settings import blocks_off
-
     off = blocks_off()
     if off is not None:
         raise EditError(f"the edit could not be installed: {off}")
@@ -160,8 +159,6 @@ def install(engine: Any, edit_id: str, envelope: str, name: str | None = None) -
 
 async def ainstall(engine: Any, edit_id: str, envelope: str, name: str | None = None) -> None:
     """:func:`install`, on an ``AsyncLLM`` (awaited in its event loop)."""
-    from .seams.frontend import rpc_every_engine  # every data-parallel engine holds it
-
     args = _install_args(edit_id, envelope, name)
     refusal = _refused(await rpc_every_engine(engine, rpc.EDIT_INSTALL, args))
     if refusal is not None:
@@ -187,8 +184,6 @@ def clear(engine: Any, edit_ids: list[str] | None = None) -> None:
 
 async def aclear(engine: Any, edit_ids: list[str] | None = None) -> None:
     """:func:`clear`, on an ``AsyncLLM``."""
-    from .seams.frontend import rpc_every_engine
-
     _unbook(engine, edit_ids)
     await rpc_every_engine(engine, rpc.EDIT_CLEAR, _clear_args(edit_ids))
 

@@ -18,19 +18,45 @@ import functools
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from .edits import book_of, edits_to_run, installed_on
+from .prefix import CLAIM_KEY, LAST_ROWS
+from .returns.outputs import (
+    attach_collected,
+    finished_for_workers,
+    forget_unread,
+    note_result_unread,
+    traced_stream,
+)
 from .seams.frontend import (
     Admission,
     cuda_with_triton,
     engine_client_of,
     generates,
     parallel_config_of,
+    processor_of,
     refused,
     unsupported_parallelism,
 )
 from .seams.wrap import carries_block
+from .server import gate, responses
+from .server.responses import current
+from .settings import blocks_off
+from .taps.spec import CONFIG_KEY, VERSION_KEY, taps_for, version_value
+from .versions import PLUGIN_VERSION
 from .wire import rpc
+from .wire.edits import EditChoiceError, mark
 from .wire.envelope import EXTRA_ARGS_KEY
-from .wire.trust import MARK_KEY, touches_trust
+from .wire.trust import (
+    LOCAL_SIGNATURE_KEY,
+    MARK_KEY,
+    VOUCHED_KEY,
+    Vouched,
+    ensure_local_key,
+    ensure_nonce_dir,
+    local_signature,
+    mark_serving,
+    touches_trust,
+)
 
 #: On an offline engine: the ids of requests whose finished output gets saves.
 _PENDING = "_nnsight_pending"
@@ -42,16 +68,11 @@ class FrontEnd:
     """The plugin's :class:`~vllm_nnsight_plugin.seams.frontend.FrontEndPolicy`."""
 
     def configure(self, engine_args: Any) -> None:
-        from .wire.trust import ensure_local_key, ensure_nonce_dir
-
         ensure_local_key()  # before the engine's processes start: they inherit it
         ensure_nonce_dir()
         taps_into_config(engine_args)
 
     def admit(self, processor: Any, request_id: str, params: Any) -> Admission | None:
-        from .edits import installed_on
-        from .prefix import CLAIM_KEY, LAST_ROWS
-
         extra = getattr(params, "extra_args", None)
         if not touches_trust(extra) and not installed_on(processor):
             return None
@@ -78,8 +99,6 @@ class FrontEnd:
 
     def added(self, engine: Any, request_id: str, params: Any) -> None:
         if carries_block(params) or took_mark(engine, request_id):
-            from .returns.outputs import note_result_unread
-
             # The finished RequestOutput carries the caller's (external) id;
             # the engine's internal one adds a random suffix.
             engine.__dict__.setdefault(_PENDING, set()).add(request_id)
@@ -91,8 +110,6 @@ class FrontEnd:
             return
         finished = [o for o in outputs if getattr(o, "finished", False) and o.request_id in pending]
         if finished:
-            from .returns.outputs import attach_collected, finished_for_workers
-
             ids = [o.request_id for o in finished]
             pending.difference_update(ids)
             replies = engine.collective_rpc(rpc.COLLECT, args=(ids, finished_for_workers(engine, finished)))
@@ -102,8 +119,6 @@ class FrontEnd:
         pending = engine.__dict__.get(_PENDING)
         dropped = [rid for rid in request_ids if rid in pending] if pending else []
         if dropped:
-            from .returns.outputs import forget_unread
-
             pending.difference_update(dropped)
             forget_unread(engine, dropped)
             # Wind up the aborted requests' blocks so no state outlives them.
@@ -115,8 +130,6 @@ class FrontEnd:
         traced = carries_block(params)
         if not traced and not edits_installed(engine):
             return start()
-        from .returns.outputs import note_result_unread, traced_stream
-        from .server.responses import current
 
         # Saves are collected by request id: two traced requests may not share one.
         in_flight = engine.__dict__.setdefault(_IN_FLIGHT, set())
@@ -141,8 +154,6 @@ class FrontEnd:
     async def serve(self, handler: Any, request: Any, answer: Callable[[], Awaitable[Any]]) -> Any:
         """Admit or refuse blocks from the network; return their saves, and those
         of installed edits, in the JSON."""
-        from .server import gate, responses
-
         xargs = getattr(request, "vllm_xargs", None)
         trusting = touches_trust(xargs)
         if not trusting and not edits_installed(engine_client_of(handler)):
@@ -165,7 +176,6 @@ class FrontEnd:
         """The operator's routes (``server/edits.py``, ``server/tree.py``) and the
         door that keeps blocks off every other route."""
         from .server import edits, gate, tree
-        from .wire.trust import mark_serving
 
         edits.attach(app)
         tree.attach(app)
@@ -181,9 +191,6 @@ def taps_into_config(engine_args: Any) -> None:
     version: vLLM hashes that dict into the compile cache's key, so graphs built
     with other taps, or none, or by another release of the tap operation, are
     never reused."""
-    from .taps.spec import CONFIG_KEY, VERSION_KEY, taps_for, version_value
-    from .versions import PLUGIN_VERSION
-
     extra = engine_args.additional_config
     extra = dict(extra) if isinstance(extra, dict) else None
     if extra is None:
@@ -199,9 +206,6 @@ def mark_edits(processor: Any, request_id: str, params: Any) -> bool:
     """Choose the installed edits this request runs and mark it for them (signed,
     for the workers; booked, for the collect); whether it runs any. A choice that
     is malformed or names nothing installed is refused here, as a bad request."""
-    from .edits import book_of, edits_to_run
-    from .wire.edits import EditChoiceError, mark
-
     try:
         run = edits_to_run(processor, params.extra_args)
     except EditChoiceError as error:
@@ -224,9 +228,6 @@ def sign_vouched(processor: Any, extra: dict) -> None:
     signature is made. A signature the request arrived with is dropped: it may
     have been read from a log. See ``wire/trust.py``.
     """
-    from .settings import blocks_off
-    from .wire.trust import LOCAL_SIGNATURE_KEY, VOUCHED_KEY, Vouched, local_signature
-
     vouched = extra.pop(VOUCHED_KEY, None)
     extra.pop(LOCAL_SIGNATURE_KEY, None)
     extra.pop(MARK_KEY, None)
@@ -250,16 +251,10 @@ def sign_vouched(processor: Any, extra: dict) -> None:
 
 
 def edits_installed(engine: Any) -> bool:
-    from .edits import installed_on
-    from .seams.frontend import processor_of
-
     return bool(installed_on(processor_of(engine)))
 
 
 def took_mark(engine: Any, request_id: str) -> bool:
     """Whether the engine's input processing marked this request for edits (once)."""
-    from .edits import book_of
-    from .seams.frontend import processor_of
-
     book = book_of(processor_of(engine))
     return book is not None and book.take(request_id)

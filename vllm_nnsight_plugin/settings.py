@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import PluginError
+from .taps.patterns import TapError, parse
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -108,8 +109,6 @@ def _text(text: str) -> str:
 
 
 def _taps(text: str) -> tuple[str, ...]:
-    from .taps.patterns import TapError, parse
-
     try:
         return parse(text)
     except (TapError, json.JSONDecodeError):

@@ -73,7 +73,7 @@ def why_off(version: str | None = None, root: object = None) -> str | None:
             f"vllm-nnsight-plugin {PLUGIN_VERSION} runs on. Install vLLM 0.25 or later "
             "(tested: 0.25.1 with CUDA, 0.32 and 0.34 on CPU)."
         )
-    from .seams import FACTS, SEAMS
+    from .seams import FACTS, SEAMS  # not at import: every vLLM process imports this module
     from .seams.check import installed_root, missing
 
     root = root or installed_root()

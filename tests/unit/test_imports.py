@@ -1,7 +1,8 @@
 """Dependencies point one way: no import circle among the package's modules,
 counting imports inside functions too (a lazy import hides a circle from Python,
-not from a reader), and only the adapters (``seams/``) read vLLM's engines and
-configs. Reads the source; no engine."""
+not from a reader); imports inside functions only where they keep a package out
+of a process (the edges); and only the adapters (``seams/``) read vLLM's engines
+and configs. Reads the source; no engine."""
 
 from __future__ import annotations
 
@@ -96,12 +97,105 @@ def circles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
 def test_the_reading_finds_a_circle_where_there_is_one():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert circles(graph) == [frozenset({"a", "b", "c"})]
-    assert "settings" in import_graph()["taps.spec"]  # a function's import is read
+    assert "client.model" in import_graph()[""]  # a function's import is read
 
 
 def test_no_import_circle():
     found = circles(import_graph())
     assert not found, f"import circles: {[sorted(group) for group in found]}"
+
+
+#: The modules where the package meets a process that must stay light: vLLM
+#: imports the package and ``plugin`` in every process it starts (no client, no
+#: nnsight there), and the command line answers ``--help`` without vLLM. Their
+#: imports inside functions are those edges.
+EDGES = frozenset({"", "plugin", "__main__"})
+
+
+def _statements(tree: ast.Module, inside_functions: bool) -> list[ast.Import | ast.ImportFrom]:
+    """The module's import statements inside functions, or those it runs when
+    imported (not under ``if TYPE_CHECKING``)."""
+    found: list = []
+
+    def walk(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                if in_function == inside_functions:
+                    found.append(child)
+            walk(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    walk(tree, False)
+    return found
+
+
+def _outside(node: ast.Import | ast.ImportFrom) -> str | None:
+    """The package outside this one an import names (None: this package's own)."""
+    if isinstance(node, ast.ImportFrom):
+        if node.level or (node.module or "").startswith("vllm_nnsight_plugin"):
+            return None
+        return (node.module or "").split(".")[0]
+    top = node.names[0].name.split(".")[0]
+    return None if top == "vllm_nnsight_plugin" else top
+
+
+def loaded_when_imported() -> dict[str, set[str]]:
+    """Per module, the packages outside this one (not the standard library) that
+    importing it loads: its own imports at import time, and its modules'."""
+    import sys
+
+    modules = _modules()
+    direct: dict[str, tuple[set[str], set[str]]] = {}
+    for module, path in modules.items():
+        outside, ours = set(), set()
+        for node in _statements(ast.parse(path.read_text()), inside_functions=False):
+            name = _outside(node)
+            if name is None:
+                ours |= _imported(module, path, node, modules)
+            elif name not in sys.stdlib_module_names and name != "__future__":
+                outside.add(name)
+        parents = module.split(".")[:-1] if module else []
+        ours |= {".".join(parents[:i]) for i in range(len(parents) + 1)} - {module}
+        direct[module] = (outside, ours)
+    loaded = {module: set(outside) for module, (outside, _) in direct.items()}
+    grew = True
+    while grew:  # to a fixed point: a package's __init__ and its modules import each other
+        grew = False
+        for module, (_, ours) in direct.items():
+            found = set().union(loaded[module], *(loaded[other] for other in ours))
+            if found != loaded[module]:
+                loaded[module], grew = found, True
+    return loaded
+
+
+def needless_lazy_imports() -> list[str]:
+    """Imports inside functions that need not be: outside :data:`EDGES`, one of
+    the standard library's, or of a module of this package whose import loads
+    nothing outside it that the importing module does not load already. (A lazy
+    import of vLLM, nnsight, torch... keeps it out of a process that must not
+    load it, or does not need it yet: those are the edges.)"""
+    import sys
+
+    modules = _modules()
+    loaded = loaded_when_imported()
+    found = []
+    for module, path in modules.items():
+        if module in EDGES:
+            continue
+        for node in _statements(ast.parse(path.read_text()), inside_functions=True):
+            name = _outside(node)
+            if name is not None:
+                if name in sys.stdlib_module_names:
+                    found.append(f"{module}:{node.lineno} {ast.unparse(node)}")
+                continue
+            if all(loaded[target] <= loaded[module] for target in _imported(module, path, node, modules)):
+                found.append(f"{module}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_lazy_imports_only_at_the_process_edges():
+    assert not needless_lazy_imports(), needless_lazy_imports()
 
 
 def test_the_seams_import_no_policy():

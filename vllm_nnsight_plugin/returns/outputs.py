@@ -28,12 +28,17 @@ pydantic models vLLM builds at request time.
 
 from __future__ import annotations
 
+import asyncio
+import pickle
+import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ..errors import PluginError
 from ..wire import rpc
 from ..wire.reply import Merged, merged
+from .metrics import StepCounts, count, observe
+from .pool import Pool, Resolver
 
 #: Where a client says that no block of a request reads ``tracer.result``
 #: (``extra_args``; ``vllm_xargs`` for a server). The front end then keeps that
@@ -59,8 +64,6 @@ def finished_for_workers(engine: Any, outputs: list) -> bytes:
     the requests are forgotten as unread. A request its input processing marked
     for installed edits gets its output whatever its block said (an edit
     installed between the request's start and its processing gave it copies)."""
-    import pickle
-
     from ..edits import book_of
     from ..seams.frontend import processor_of
 
@@ -93,11 +96,6 @@ def merge_replies(replies: list) -> dict[str, Merged]:
     Under tensor parallelism every rank ran the block and holds the same gathered
     values; the first rank's copy is kept.
     """
-    import pickle
-
-    from .metrics import StepCounts, observe
-    from .pool import Pool
-
     loaded = [pickle.loads(part) for reply in replies or () if reply is not None for part in reply]
     for counts in [part for part in loaded if isinstance(part, StepCounts)]:
         observe(counts)
@@ -111,8 +109,6 @@ def merge_replies(replies: list) -> dict[str, Merged]:
 
 
 def _merge(loaded: list, pools: dict) -> dict[str, Merged]:
-    from .pool import Pool, Resolver
-
     found: dict[str, Merged] = {}
     for part in loaded:
         if isinstance(part, Pool):
@@ -159,8 +155,6 @@ def attach(output: Any, entry: Merged) -> None:
 
 def attach_collected(outputs: list, replies: list) -> None:
     """Put what the workers returned on the finished outputs."""
-    from .metrics import count
-
     collected = merge_replies(replies)
     for output in outputs:
         attach(output, collected.get(output.request_id) or merged())
@@ -191,8 +185,6 @@ class _Collector:
         self.waiting: list[tuple[Any, Any]] = []
 
     async def collect(self, output: Any) -> None:
-        import asyncio
-
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         self.waiting.append((output, done))
@@ -226,9 +218,6 @@ class _Collector:
 
 def _collector(engine: Any) -> _Collector:
     """The engine's collector for the running event loop."""
-    import asyncio
-    import weakref
-
     by_loop = engine.__dict__.setdefault("_nnsight_collectors", weakref.WeakKeyDictionary())
     loop = asyncio.get_running_loop()
     collector = by_loop.get(loop)
@@ -257,8 +246,6 @@ def wind_up_later(engine: Any, request_id: str) -> None:
     Called where awaiting is not possible (a stream being closed or cancelled);
     the worker would drop it on its own later, this makes it prompt.
     """
-    import asyncio
-
     from ..seams.frontend import rpc_every_engine
 
     try:

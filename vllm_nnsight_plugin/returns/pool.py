@@ -12,11 +12,17 @@ Nothing here imports nnsight: the front end of a server runs this too.
 from __future__ import annotations
 
 import math
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
 from .cached import CachedSteps, cache_view
+from .lent import LentFlat
+from .lent import lend as lent_flat
+from .lent import opened as open_lent
+from .shared import SharedFlat, discard, large, opened, share
 from .stacked import SAVE_KEYS, Stacked, entry_values, poolable
+from .staging import to_device
 
 #: The front end copies a shared pool back to its GPU a window at a time: one
 #: transfer serves the requests side by side in it (each then copied into its own
@@ -52,8 +58,6 @@ class Pool:
         """Leave each large flat tensor where the front end can read it without
         pickling (the worker, before sending): on its GPU when ``lend`` allows
         (``lent.py``), else in shared memory (``shared.py``)."""
-        from .lent import lend as lent_flat
-        from .shared import large, share
 
         def away(flat: Any) -> Any:
             return (lend and large(flat) and lent_flat(flat)) or share(flat) or flat
@@ -61,10 +65,6 @@ class Pool:
         self.flats = [away(flat) for flat in self.flats]
 
     def _flat(self, number: int) -> Any:
-        from .lent import LentFlat
-        from .lent import opened as open_lent
-        from .shared import SharedFlat, opened
-
         flat = self.flats[number]
         if isinstance(flat, SharedFlat):
             mapped = opened(flat)
@@ -75,8 +75,6 @@ class Pool:
 
     def _owned(self, number: int, low: int, high: int) -> Any:
         """A copy of ``flats[number][low:high]`` of its own, where the flat was saved."""
-        from .staging import to_device
-
         flat = self._flat(number)
         if not isinstance(flat, _Mapped):
             return flat[low:high].clone()
@@ -96,10 +94,6 @@ class Pool:
         shared-memory file no request read, and give back what was lent on the
         device (a lent tensor nobody opened is opened and dropped, which is how
         its lender learns it may free it)."""
-        from .lent import LentFlat
-        from .lent import opened as open_lent
-        from .shared import SharedFlat, discard
-
         for flat in self.flats:
             if isinstance(flat, SharedFlat):
                 discard(flat)
@@ -155,8 +149,6 @@ class Pooler:
     request by request, and builds the pool once every request is packed."""
 
     def __init__(self) -> None:
-        import secrets
-
         self.id = secrets.token_hex(8)
         self.tensors: dict[int, Any] = {}
 

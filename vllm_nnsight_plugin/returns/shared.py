@@ -27,7 +27,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..settings import SHARED_SAVES_BYTES
+from ..settings import SHARED_SAVES_BYTES, value
+from .staging import to_host
 
 MIN_BYTES_ENV = SHARED_SAVES_BYTES
 DEFAULT_MIN_BYTES = 16 << 20
@@ -60,8 +61,6 @@ class SharedFlat:
 
 
 def min_bytes() -> int:
-    from ..settings import value
-
     return int(value(MIN_BYTES_ENV))
 
 
@@ -87,8 +86,6 @@ def share(flat: Any) -> SharedFlat | None:
 def _write(flat: Any, size: int) -> str | None:
     """A new file holding ``flat``; None when no room could be reserved for it."""
     import torch
-
-    from .staging import to_host
 
     path = os.path.join(DIRECTORY, PREFIX + secrets.token_hex(12))
     try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import importlib.util
 from pathlib import Path
 
 #: The model runners the plugin runs on, by the module that defines each: the V1
@@ -31,8 +32,6 @@ RUNNERS: dict[str, str] = {
 
 def installed_root() -> Path | None:
     """The installed ``vllm`` package's folder, found without importing it."""
-    import importlib.util
-
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
         return None

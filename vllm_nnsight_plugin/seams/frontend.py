@@ -13,11 +13,15 @@ nothing here imports the policy: with no policy set, every wrap calls vLLM as it
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
+import importlib.util
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, NamedTuple, Protocol
 
+from ..wire.trust import RefusedBlockError
+from .declared import SEAMS
 from .extension import extension_for
 from .wrap import wrap
 
@@ -86,8 +90,6 @@ def patch_engine_args() -> None:
 def cuda_with_triton() -> bool:
     """Whether this process's platform is CUDA and Triton imports (a tap can run
     as one kernel). Never raises: anything unsure is False."""
-    import importlib.util
-
     try:
         from vllm.platforms import current_platform
 
@@ -132,8 +134,6 @@ def _refused_class() -> type:
     """The refusal class vLLM's front end knows: made on first use, as vLLM's
     exceptions are importable only where vLLM is."""
     from vllm.exceptions import VLLMValidationError
-
-    from ..wire.trust import RefusedBlockError
 
     class RefusedByFrontEnd(VLLMValidationError, RefusedBlockError):
         """:class:`RefusedBlockError` that vLLM also answers as a bad request (HTTP
@@ -266,8 +266,6 @@ async def rpc_every_engine(engine: Any, method: str, args: tuple) -> list:
     if every is not None:
         per_engine = await every("collective_rpc", method, None, args, None)
     else:
-        import asyncio
-
         per_engine = await asyncio.gather(
             *(core._call_utility_async("collective_rpc", method, None, args, None, engine=e) for e in engines)
         )
@@ -353,10 +351,6 @@ def patch_openai_chat() -> None:
 def patch_build_app(module_name: str) -> None:
     """Hand the OpenAI server's app to the policy once built, on the vLLM release
     whose server builds it in ``module_name``."""
-    import importlib
-
-    from .declared import SEAMS
-
     seam = next(s for s in SEAMS if s.module == module_name and s.name == "build_app")
     if not seam.applies():
         return

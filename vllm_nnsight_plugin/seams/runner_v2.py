@@ -39,7 +39,9 @@ from .worker import (
     StepHooks,
     StepView,
     count_graph_mode,
+    finished_ids,
     loading,
+    new_requests,
     present,
 )
 from .wrap import wrap
@@ -105,8 +107,6 @@ class V2Runner(Runner):
         self.preempted: set[str] = set()
 
     def resumed(self, scheduler_output: Any, tracked: Any) -> set[str]:
-        from .worker import finished_ids, new_requests
-
         self.preempted |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())
         self.preempted.difference_update(finished_ids(scheduler_output))
         back = {

@@ -30,6 +30,7 @@ split) are here.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -157,8 +158,6 @@ GRAPH_MODES = "_nnsight_graph_modes"
 
 def present(module: str) -> bool:
     """Whether this vLLM has ``module`` (found without importing it)."""
-    import importlib.util
-
     try:
         return importlib.util.find_spec(module) is not None
     except ImportError:

@@ -25,7 +25,9 @@ import json
 import secrets
 from typing import Any
 
+from .. import edits
 from ..errors import BlocksOffError, NoEngineError, PluginError
+from ..seams.frontend import parallel_config_of, server_args, unsupported_parallelism
 from ..versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT
 from ..wire.envelope import EnvelopeError, EnvelopeTooLarge, Limits, open_envelope
 from ..wire.trust import UntrustedBlockError
@@ -45,8 +47,6 @@ def attach(app: Any) -> None:
 
 
 def _refusal_of_layout(request: Request, engine: Any) -> str | None:
-    from ..seams.frontend import parallel_config_of, server_args, unsupported_parallelism
-
     args = server_args(request.app.state)
     if int(getattr(args, "api_server_count", 1) or 1) > 1:
         return (
@@ -57,8 +57,6 @@ def _refusal_of_layout(request: Request, engine: Any) -> str | None:
 
 
 async def _install(request: Request) -> Any:
-    from .. import edits
-
     limits = Limits.from_env()
     too_long = limits.max_payload_bytes * 2 + _FIELDS_BYTES  # base64 twice, with room
     if int(request.headers.get("content-length") or 0) > too_long:
@@ -100,8 +98,6 @@ def _fields(body: bytes) -> tuple[str, str | None, str]:
 
 
 async def _list(request: Request) -> Any:
-    from .. import edits
-
     try:
         engine = await authorized(request, await request.body())
     except PluginError as error:
@@ -118,8 +114,6 @@ async def _clear_one(request: Request, edit_id: str) -> Any:
 
 
 async def _clear(request: Request, edit_id: str | None) -> Any:
-    from .. import edits
-
     try:
         engine = await authorized(request, await request.body())
     except PluginError as error:

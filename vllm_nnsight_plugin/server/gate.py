@@ -25,6 +25,7 @@ keys is dropped first.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -129,8 +130,6 @@ NO_BLOCK_ROUTES = ("/v1/responses", "/v1/messages")
 def names_a_block(body: bytes) -> bool:
     """Whether a request body carries a block in ``vllm_xargs`` (read only when the
     key's name appears in it at all; a body that does not parse is vLLM's to refuse)."""
-    import json
-
     if EXTRA_ARGS_KEY.encode() not in body:
         return False
     try:

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import ast
 import logging
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import torch
 
+from ..settings import SPLIT_AT_TAPS, value
 from . import ops, source
 from .kept import Lowered, Regions, kept_saves, layers_saves, picks_a_row, rows_kept, store_rows
 from .spec import LAYER_LISTS, LAYERS, engine_taps, input_site, kernel_chosen, resolve, split_site
@@ -502,7 +504,6 @@ class TapTables:
 def install(runner: Any, model: Any) -> TapTables | None:
     """Put the operations on every tapped module of ``model``; None when the engine has no taps."""
     from .. import seams
-    from ..settings import SPLIT_AT_TAPS, value
 
     patterns = engine_taps(seams.config_of(runner))
     if not patterns:
@@ -578,8 +579,6 @@ def served_locations(model: Any, patterns: tuple[str, ...]) -> Any:
     """What an engine built with ``patterns`` serves at its taps, read off a model
     of the same classes (the client's meta model): the ``site_of``, ``handed`` and
     ``inputs`` the lowering reads of :class:`TapTables`, without the tables."""
-    from types import SimpleNamespace
-
     sites = _sites(model, patterns) if patterns else ()
     _, handed, inputs = _served_by(model, sites)
     return SimpleNamespace(site_of={path: i for i, path in enumerate(sites)}, handed=handed, inputs=inputs)

@@ -25,8 +25,8 @@ import numpy as np
 
 from ..returns.cached import CachedSteps
 from ..returns.stacked import Stacked
-from ..settings import KEPT_BYTES
-from .ops import KEEP_BOTH
+from ..settings import KEPT_BYTES, value
+from .ops import KEEP_BOTH, chunks
 
 KEPT_BYTES_ENV = KEPT_BYTES
 
@@ -41,7 +41,6 @@ def store_rows(row_bytes: int, cuda: bool, device_bytes: int = 0) -> int:
     """How many rows the store holds (row 0 takes the rows nobody keeps);
     ``device_bytes``: the GPU's memory."""
     default = max(1 << 30, int(device_bytes * STORE_SHARE)) if cuda else (128 << 20)
-    from ..settings import value
 
     return max(2, int(value(KEPT_BYTES_ENV) or default) // max(1, row_bytes))
 
@@ -108,8 +107,6 @@ def step_rows(base: int, store: Any, count: int, width: int) -> tuple[Any, Any]:
     """A replayed request's ``count`` rows of this step at one tap (its region
     starts at ``base``), as the tap's two outputs, ``width`` wide (each over
     ``ops.chunks`` rows of the store)."""
-    from .ops import chunks
-
     k = chunks(width, store.shape[-1])
     pairs = store[base : base + 2 * k * count].view(count, 2, -1)[..., :width]
     return pairs[:, 0], pairs[:, 1]

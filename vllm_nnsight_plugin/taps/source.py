@@ -18,10 +18,13 @@ their taps on that step too.
 from __future__ import annotations
 
 import ast
+import atexit
 import hashlib
 import inspect
+import linecache
 import logging
 import os
+import shutil
 import tempfile
 import textwrap
 from collections.abc import Callable, Iterator
@@ -29,6 +32,7 @@ from typing import Any
 
 from ..errors import PluginError
 from ..folders import UnsafeFolderError, private_folder, read_own, write_own
+from ..models.smollm2 import cache_root
 
 #: nnsight's private names used here (checked by ``tests/unit/test_nnsight_seams.py``).
 TOUCHES: tuple[tuple[str, str], ...] = (
@@ -124,8 +128,6 @@ def _written(text: str) -> str:
     here; the folder is checked on every write (``folders.py``), so nobody else
     could have changed the disk copy either. A cache folder another user could
     change is not used: the file goes to a private folder of this process's."""
-    import linecache
-
     name = hashlib.sha256(text.encode()).hexdigest()[:24] + ".py"
     data = text.encode()
     for folder in _taps_folders():
@@ -150,13 +152,8 @@ _REFUSED: set[str] = set()
 def _taps_folders() -> Iterator[tuple[str, ...]]:
     """Where a rewritten forward may go, in order: the cache folder's ``taps``,
     then a folder this process made for itself."""
-    from ..models.smollm2 import cache_root
-
     yield (str(cache_root()), "taps")
     if not _FALLBACK:
-        import atexit
-        import shutil
-
         made = tempfile.mkdtemp(prefix="vllm-nnsight-taps-")
         atexit.register(shutil.rmtree, made, ignore_errors=True)
         _FALLBACK.append(made)

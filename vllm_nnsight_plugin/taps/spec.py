@@ -22,7 +22,7 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..settings import TAP_KERNEL, TAPS
+from ..settings import TAP_KERNEL, TAPS, value
 from .patterns import LAYERS, TapError, parse
 
 #: Where an engine's taps travel: vLLM's ``additional_config`` (hashed into the
@@ -51,8 +51,6 @@ LAYER_LISTS = (
 
 def from_env() -> tuple[str, ...] | None:
     """``VLLM_NNSIGHT_TAPS``; None when unset (the default applies)."""
-    from ..settings import value
-
     found = value(TAPS)
     return None if found is None else tuple(found)
 
@@ -69,8 +67,6 @@ def taps_for(extra: dict | None, cuda_with_triton: Callable[[], bool]) -> tuple[
     each runs as one kernel (``VLLM_NNSIGHT_TAP_KERNEL``; unset, where
     ``cuda_with_triton()``, the platform's answer): its own list (``"none"`` or
     empty: none), else ``VLLM_NNSIGHT_TAPS``, else :func:`defaults`."""
-    from ..settings import value
-
     kernel = value(TAP_KERNEL)
     if kernel is None:
         kernel = cuda_with_triton()

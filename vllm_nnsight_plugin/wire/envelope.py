@@ -39,6 +39,7 @@ import time
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import PluginError
+from ..settings import MAX_PAYLOAD_BYTES, MAX_SAVE_BYTES, value
 
 #: The ``extra_args`` key (and ``vllm_xargs`` key) a block rides under.
 EXTRA_ARGS_KEY = "nnsight"
@@ -81,8 +82,6 @@ class Limits(BaseModel):
 
     @classmethod
     def from_env(cls) -> Limits:
-        from ..settings import MAX_PAYLOAD_BYTES, MAX_SAVE_BYTES, value
-
         return cls(
             max_payload_bytes=value(MAX_PAYLOAD_BYTES),
             max_save_bytes=value(MAX_SAVE_BYTES),

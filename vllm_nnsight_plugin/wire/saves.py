@@ -16,11 +16,13 @@ other types, from a server you trust.
 from __future__ import annotations
 
 import base64
+import importlib
 import io
+import re
 import threading
 from typing import Any, NamedTuple
 
-from ..settings import TRUST_SERVER
+from ..settings import TRUST_SERVER, value
 
 #: The field the saves ride in, on responses and on the final stream event.
 RESPONSE_FIELD = "nnsight"
@@ -68,8 +70,6 @@ SAFE_MODULES = ("vllm.outputs", "vllm.logprobs", "vllm.v1.metrics.stats", "vllm.
 
 def _allowed(name: str) -> type | None:
     """The class a weights-only load asked for, if it is one of vLLM's output records."""
-    import importlib
-
     module, _, attribute = name.rpartition(".")
     if module not in SAFE_MODULES:
         return None
@@ -109,12 +109,9 @@ _LOADING = threading.Lock()
 
 def decode_request(document: dict) -> DecodedSaves:
     """The saves in :func:`encode_request`'s document."""
-    import re
-
     import torch
 
     raw = base64.b64decode(document["saves"])
-    from ..settings import value
 
     trusted = bool(value(TRUST_SERVER_ENV))
     allowed: list[type] = []

@@ -16,6 +16,7 @@ Pure functions of their inputs: no vLLM, no network.
 from __future__ import annotations
 
 import base64
+import json
 import os
 import re
 import tempfile
@@ -188,8 +189,6 @@ def tokenizer_files(tokenizer: Any) -> dict[str, str]:
 def _name_the_class(files: dict[str, str], tokenizer: Any) -> None:
     """vLLM hands out its tokenizer as a subclass made at run time (``Cached...``),
     a class ``AutoTokenizer`` cannot find: name the transformers class it wraps."""
-    import json
-
     config = files.get("tokenizer_config.json")
     if config is None:
         return
@@ -257,8 +256,6 @@ def tokenizer_file(name: object) -> bool:
 
 
 def _refuse_code(name: str, content: bytes) -> None:
-    import json
-
     try:
         document = json.loads(content)
     except (ValueError, RecursionError):

@@ -24,17 +24,21 @@ refused before any of it is decoded.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import hmac
 import math
 import os
 import secrets
+import shutil
+import tempfile
 import threading
 import time
 
 from ..errors import PluginError
 from ..folders import UnsafeFolderError, private_folder
-from ..settings import CLOCK_SKEW_S, KEY, KEY_FILE, LOCAL_KEY, MAX_TTL_S, NONCE_DIR
+from ..settings import CLOCK_SKEW_S, KEY, KEY_FILE, LOCAL_KEY, MAX_TTL_S, NONCE_DIR, value
+from ..settings import value as setting
 from .envelope import EXTRA_ARGS_KEY, Envelope, operator_signature, split_signature
 
 #: The environment variable holding the engine's local key.
@@ -106,8 +110,6 @@ def local_key() -> str | None:
     """This process's local key, read from the environment once and then kept."""
     global _LOCAL_KEY
     if _LOCAL_KEY is None:
-        from ..settings import value
-
         _LOCAL_KEY = value(LOCAL_KEY_ENV) or None
     return _LOCAL_KEY
 
@@ -173,7 +175,6 @@ def operator_key(value: str | None = None) -> str | None:
     contents of ``VLLM_NNSIGHT_KEY_FILE``; None when none is set (blocks off)."""
     if value:
         return value
-    from ..settings import value as setting
 
     key = setting(OPERATOR_KEY_ENV)
     if key:
@@ -189,8 +190,6 @@ def operator_key(value: str | None = None) -> str | None:
 
 
 def max_ttl_s() -> float:
-    from ..settings import value
-
     return float(value(MAX_TTL_ENV))
 
 
@@ -238,18 +237,12 @@ _SHARED_PRUNE_S = 60.0
 
 
 def nonce_dir() -> str | None:
-    from ..settings import value
-
     return value(NONCE_DIR_ENV) or None
 
 
 def ensure_nonce_dir() -> str:
     """Name this engine family's nonce directory and export it to the processes it
     is about to start (made on first use; removed when this process exits)."""
-    import atexit
-    import shutil
-    import tempfile
-
     directory = nonce_dir()
     if directory is None:
         base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
@@ -361,6 +354,4 @@ def mark_serving(now: float | None = None) -> None:
 
 def made_since_serving(created: float) -> bool:
     """Whether something signed at ``created`` (the sender's clock) can be new here."""
-    from ..settings import value
-
     return math.isfinite(created) and created >= _SERVING_SINCE - float(value(CLOCK_SKEW_S))

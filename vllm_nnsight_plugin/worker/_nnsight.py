@@ -27,8 +27,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import io
 import linecache
+import sys
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -44,6 +47,7 @@ from nnsight.tracing.tracer import _local, _saves, inc
 
 from ..wire.reply import RequestReply, request_reply, sequence_reply
 from .fragments import FusedFragments
+from .parameters import read_whole
 
 #: nnsight's module holding the book of in-flight requests (``Request``, ``Requests``).
 REQUEST_BOOK = "nnsight.modeling.vllm.model_runners.GPUModelRunner"
@@ -58,10 +62,6 @@ def request_book() -> Any:
     the import is answered, for the length of this one import, by a stand-in
     class, and taken back at once (nnsight's subclass of it is never used; the
     plugin runs its own hooks on whichever runner vLLM built)."""
-    import importlib
-    import sys
-    import types
-
     try:
         return importlib.import_module(REQUEST_BOOK)
     except ModuleNotFoundError as error:
@@ -184,8 +184,6 @@ def build_model(module: Any, tokenizer: Any, batcher: Any) -> Any:
     model = NNsightVLLM(module, interleaver=VLLMInterleaver((), fragments=FusedFragments()))
     if getattr(model.interleaver.fragments, "enabled", False):
         from nnsight.intervention.envoy import Envoy
-
-        from .parameters import read_whole
 
         read_whole(Envoy)
     model.tokenizer = tokenizer

@@ -13,6 +13,7 @@ from typing import Any
 
 from ..prefix import CLAIM_KEY, LAST_ROWS, PrefixClaimError, last_rows_only
 from ..taps.meaning import folded
+from ..taps.replay import modules_of
 from ..versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT
 from ..wire.envelope import EXTRA_ARGS_KEY, EnvelopeError, Limits, open_envelope
 from ..wire.trust import LOCAL_SIGNATURE_KEY, UntrustedBlockError, check_local
@@ -117,7 +118,6 @@ def _reads_last_rows(mediator: Any, model: Any, digest: bytes) -> bool:
     known = _LAST_ROWS.get(digest)
     if known is not None:
         return known
-    from ..taps.replay import modules_of
 
     source, scope = nns.block_source(mediator), nns.block_scope(mediator)
     module_at = modules_of(nns.envoy_module(model))

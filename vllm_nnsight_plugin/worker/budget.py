@@ -41,6 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import PluginError
+from ..settings import PACK_BUDGET_S, STEP_BUDGET_S, STEP_MEMORY_BYTES, value
 
 
 class BudgetStop(BaseException):
@@ -350,8 +351,6 @@ class Watchdog:
 
 def watchdogs() -> tuple[Watchdog, Watchdog]:
     """The step budget's watchdog and the packing budget's, as the settings say."""
-    from ..settings import PACK_BUDGET_S, STEP_BUDGET_S, STEP_MEMORY_BYTES, value
-
     step_s, pack_s = float(value(STEP_BUDGET_S)), float(value(PACK_BUDGET_S))
     memory = int(value(STEP_MEMORY_BYTES))
     step = Watchdog(

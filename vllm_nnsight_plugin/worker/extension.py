@@ -22,14 +22,19 @@ derives from both, so neither is lost.
 from __future__ import annotations
 
 import importlib
+import json
 from typing import Any
 
+from .. import seams
 from ..seams import composed_name as composed_name  # where it always was, too
 from ..seams import composed_user
 from ..seams.runners import patch_model_runners
 from ..seams.worker import StepHooks
+from ..taps.install import install
 from ..taps.spec import RUNNER_ATTR as _TAPS
+from ..wire.tree import TREE_VERSION, describe, tokenizer_files
 from ..wire.trust import local_key
+from .edits import clear, install_on, listed
 from .runtime import WorkerRuntime
 
 _RUNTIME = "_vllm_nnsight_runtime"
@@ -54,7 +59,6 @@ def _on_loaded(runner: Any) -> None:
     """Taps go on the model before vLLM compiles it (``taps/install.py``)."""
     if _TAPS in runner.__dict__:
         return  # a runner whose load_model calls its parent's
-    from ..taps.install import install
 
     runner.__dict__[_TAPS] = install(runner, runner.get_model())
 
@@ -108,7 +112,6 @@ class NNsightWorkerExtension(metaclass=_OwnNames):
             and (name is None or isinstance(name, str))
         ):
             raise TypeError("nnsight_edit_install takes an envelope and its signature from the front end")
-        from .edits import install_on
 
         return install_on(
             runtime_of(self.model_runner),
@@ -119,28 +122,20 @@ class NNsightWorkerExtension(metaclass=_OwnNames):
         )
 
     def nnsight_edit_clear(self, edit_ids: bytes) -> list[str]:
-        import json
-
         if not isinstance(edit_ids, bytes):
             raise TypeError("nnsight_edit_clear takes the ids to clear from the front end")
         ids = json.loads(edit_ids)
         if ids is not None and not (isinstance(ids, list) and all(isinstance(i, str) for i in ids)):
             raise TypeError("nnsight_edit_clear takes a list of edit ids, or null for all")
-        from .edits import clear
 
         return clear(runtime_of(self.model_runner).requests, ids)
 
     def nnsight_edits(self) -> list[dict]:
-        from .edits import listed
-
         return listed(runtime_of(self.model_runner).requests)
 
     def nnsight_tree(self) -> dict:
         """The live model's module tree and the tokenizer's files, for a client
         with no vLLM (``wire/tree.py``)."""
-        from .. import seams
-        from ..wire.tree import TREE_VERSION, describe, tokenizer_files
-
         runner = self.model_runner
         return {
             "version": TREE_VERSION,

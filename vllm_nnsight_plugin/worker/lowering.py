@@ -9,10 +9,12 @@ path would have built it.
 
 from __future__ import annotations
 
+import ast
 from collections import OrderedDict
 from typing import Any
 
 from .. import seams
+from ..returns.stacked import Stacked
 from .errors import KeptRowsError
 from .paths import AT_SAMPLER, COPIES, NO_ROOM, OUT_OF_RANGE, SEQUENCES, SPECULATIVE, UNSIZED, Paths
 
@@ -370,8 +372,6 @@ def _harvested(request: Any, edit_id: str) -> dict:
 
 def _keeps_a_cache(source: str | None) -> bool:
     """Whether a block's source names ``.cache`` (or cannot be read)."""
-    import ast
-
     try:
         tree = ast.parse(source or "")
     except SyntaxError:
@@ -380,8 +380,6 @@ def _keeps_a_cache(source: str | None) -> bool:
 
 
 def _as_saved(value: Any) -> Any:
-    from ..returns.stacked import Stacked
-
     return value.unstack() if isinstance(value, Stacked) else value
 
 

@@ -36,19 +36,32 @@ never imports nnsight).
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import time
 from typing import Any
 
 from .. import seams, settings
+from ..returns.lent import stats as lent
+from ..returns.metrics import StepCounts
+from ..returns.pool import Pooler
+from ..taps import ops
+from ..taps.kept import step_rows
+from ..taps.replay import FIRST, HANDED, PAIR, served
 from ..taps.spec import RUNNER_ATTR
 from ..wire.envelope import Limits
 from ..wire.references import envoy_references
+from . import _nnsight
+from .admit import RequestIndex, admit
+from .batching import CheckedBatcher
 from .budget import watchdogs
-from .edits import marked
+from .collect import Uncollected, pack, pool_part, synchronize_device, wind_up
+from .edits import give_copies, marked
+from .errors import CompiledForwardError
+from .live import AtTaps
 from .lowering import OUTPUT, Lowering
 from .paths import AT_SAMPLER, CHUNKED, EDITED, FAILED, NO_TAPS
-from .refusals import refuse_chunked
+from .refusals import end, refuse_chunked
 from .resume import SITTING_OUT, narrow, recompute_spans, refuse_resumed
 from .step import Phase, Step
 from .stops import Stops
@@ -67,8 +80,6 @@ class WorkerRuntime:
     """Per-runner state: the nnsight tree, the requests with blocks, the current step."""
 
     def __init__(self, runner: Any) -> None:
-        from .collect import Uncollected
-
         self.runner = runner
         self.adapter = seams.runner_of(runner)
         self.model: Any = None  # nnsight's tree over the live module
@@ -102,9 +113,6 @@ class WorkerRuntime:
     def _build(self) -> None:
         """Wrap the live module in nnsight's tree and hook the runner (once)."""
         global nns
-        from . import _nnsight
-        from .admit import RequestIndex
-        from .batching import CheckedBatcher
 
         nns = _nnsight
         runner = self.runner
@@ -180,9 +188,6 @@ class WorkerRuntime:
     def _admit(self, scheduler_output: Any) -> None:
         """Open the envelopes of this step's new requests and give them their copies of
         installed edits (before the forward is dispatched)."""
-        from .admit import admit
-        from .edits import give_copies
-
         requests = self.requests
         tables = self.tables
         for data in seams.new_requests(scheduler_output):
@@ -235,9 +240,6 @@ class WorkerRuntime:
         """On a compiled engine whose operator turned Python forwards off, a block
         that would need one ends now, before it runs, saying what it reads that is
         no tap (the tables and the taps serve the rest)."""
-        from .errors import CompiledForwardError
-        from .refusals import end
-
         if _forward_of(request.mediator) != PYTHON:  # its own block: an edit's copy is the operator's
             return
         path = self.lowering.paths.taken.get(request.id)
@@ -403,9 +405,6 @@ class WorkerRuntime:
     def _open_taps(self, step: Step) -> None:
         """Have each tap that this step's blocks read hand its value to the
         interleaver as the compiled forward passes it (``live.py``)."""
-        from ..taps import ops
-        from .live import AtTaps
-
         tracked, replays = self.requests.requests, self.lowering.replays
         sites: set[int] = set()
         for request_id, count in step.spans:
@@ -428,7 +427,6 @@ class WorkerRuntime:
         live, step.live = step.live, None
         if live is None:
             return
-        from ..taps import ops
 
         ops.at_taps(None)
         self.taps_handed += live.handed
@@ -513,8 +511,6 @@ class WorkerRuntime:
 
     def _serve(self, at: dict[int, list[tuple[int, int, int]]], rows: int, step: Step) -> None:
         """Hand the interleaver each tap's value: ``rows`` rows, the kept ones in place."""
-        from ..taps.replay import FIRST, HANDED, PAIR, served
-
         tables, interleaver = self.tables, self.model.interleaver
         for site, where, kind in served(at, tables):
             location = f"{self.model.path}.{where}"
@@ -607,8 +603,6 @@ class WorkerRuntime:
         """
         if self.requests is None:
             return None
-        from ..returns.pool import Pooler
-        from .collect import pack, pool_part, synchronize_device, wind_up
 
         finished = pickle.loads(outputs) if outputs else None
         paths = {rid: self.lowering.paths.take(self.index.answering(rid)) for rid in request_ids}
@@ -652,10 +646,6 @@ class WorkerRuntime:
 
     def _counts_part(self) -> list[bytes]:
         """This engine's step counts, from its first rank (``returns/metrics.py``)."""
-        import os
-
-        from ..returns.metrics import StepCounts
-
         if not seams.answers_for_engine():
             return []
         seconds = self.step_seconds
@@ -684,8 +674,6 @@ class WorkerRuntime:
 
     def stats(self) -> dict[str, Any]:
         """What this worker did: blocks held, steps run as Python on a compiled engine."""
-        from ..returns.lent import stats as lent
-
         return {
             "tracked": self.tracked(),
             "compiled_engine": not self.eager,
@@ -721,8 +709,6 @@ def _rebuilt(
     """A tap's value for a step of ``rows`` rows: the kept rows of the requests
     served it, in place (each ``(start, count, base)``), zeros elsewhere; and, for
     a ``pair``, the second value beside it (else None)."""
-    from ..taps.kept import step_rows
-
     width = tables.width(site)
     first = tables.store.new_zeros((rows, width))
     second = first.new_zeros(first.shape) if pair else None
