@@ -20,9 +20,10 @@ from vllm_nnsight_plugin import VLLM
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPTS = ["The capital of France is", "Paris is in", "Water boils at", "One, two, three,"]
 TOKENS = 64
-# SmolLM2 in fp32 keeps 46,080 bytes of K and V per token: six blocks of 32 tokens
-# (192 tokens) for four requests that need about 280 (twelve blocks).
-KV_BYTES = 6 * 32 * 46_080
+# SmolLM2 in fp32 keeps 46,080 bytes of K and V per token: seven blocks of 32
+# tokens, one of them vLLM's null block, so two requests (about 70 tokens, three
+# blocks each) run side by side and four (twelve blocks) make vLLM preempt.
+KV_BYTES = 7 * 32 * 46_080
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +132,18 @@ def test_the_scheduler_preempts_a_plain_request_before_a_traced_one(small_kv):
     assert after["tracked"] == 0
 
 
+def side_by_side(llm, build, prompts) -> list:
+    """Each prompt's traced request (``build(model_prompts)``) run without
+    preemption, two at a time (what the KV cache holds)."""
+    before = stats(llm)["resumed"]
+    outputs = []
+    for start in range(0, len(prompts), 2):
+        prepared = build(prompts[start : start + 2])
+        outputs += llm.generate(prepared.prompts, prepared.params, use_tqdm=False)
+    assert stats(llm)["resumed"] == before  # none was preempted
+    return outputs
+
+
 def prompt_rows(llm, prompt) -> int:
     return len(llm.get_tokenizer().encode(prompt))
 
@@ -145,13 +158,12 @@ def test_a_reading_block_goes_on_through_a_recompute_as_if_alone(small_kv):
     assert after["continued_blocks"] - before["continued_blocks"] >= 1
     assert after["recompute_chunks_sat_out"] > before["recompute_chunks_sat_out"]  # a chunked recompute
     assert after["preempted_blocks"] == before["preempted_blocks"]
-    for output, prompt in zip(outputs, PROMPTS):
+    wanted = side_by_side(small_kv, lambda prompts: read_blocks(model, prompts), PROMPTS)
+    for output, prompt, want in zip(outputs, PROMPTS, wanted):
         saves = vllm_nnsight_plugin.saves(output)
         # The whole prompt on the first step, then one row a step, each step once.
         assert saves["shapes"] == [(prompt_rows(small_kv, prompt), 576)] + [(1, 576)] * (TOKENS - 1)
         assert list(output.outputs[0].token_ids) == alone(small_kv, prompt)
-        alone_prepared = read_blocks(model, [prompt])
-        want = small_kv.generate(alone_prepared.prompts, alone_prepared.params, use_tqdm=False)[0]
         got, expected = torch.stack(saves["rows"]), torch.stack(vllm_nnsight_plugin.saves(want)["rows"])
         # The recompute's last row against the decode step's: equal up to the
         # kernels' own rounding (about 1e-7 relative on a CPU, 1e-4 on a GPU).
@@ -169,12 +181,11 @@ def test_a_block_served_at_the_sampler_goes_on_through_a_recompute_as_if_alone(s
     assert after["resumed"] > before["resumed"]  # the scheduler did preempt
     assert after["continued_blocks"] - before["continued_blocks"] >= 1
     assert after["preempted_blocks"] == before["preempted_blocks"]
-    for output, prompt in zip(outputs, PROMPTS):
+    wanted = side_by_side(small_kv, lambda prompts: served_blocks(model, prompts), PROMPTS)
+    for output, prompt, want in zip(outputs, PROMPTS, wanted):
         saves = vllm_nnsight_plugin.saves(output)
         assert saves["shapes"] == [(prompt_rows(small_kv, prompt), 576)] + [(1, 576)] * (TOKENS - 1)
         assert list(output.outputs[0].token_ids) == alone(small_kv, prompt)
-        alone_prepared = served_blocks(model, [prompt])
-        want = small_kv.generate(alone_prepared.prompts, alone_prepared.params, use_tqdm=False)[0]
         got, expected = torch.stack(saves["rows"]), torch.stack(vllm_nnsight_plugin.saves(want)["rows"])
         assert (got - expected).norm() / expected.norm() < 1e-3  # as for the Python path above
     assert stats(small_kv)["tracked"] == 0 and stats(small_kv)["lowered_now"] == 0
@@ -213,10 +224,9 @@ def test_lowered_steering_from_the_first_step_continues_through_a_preemption(sma
     after = stats(small_kv)
     assert after["resumed"] > before["resumed"] and after["lowered"] - before["lowered"] == 4
     assert after["preempted_blocks"] == before["preempted_blocks"]
-    for output, prompt in zip(outputs, PROMPTS):
+    wanted = side_by_side(small_kv, lambda prompts: steer_blocks(model, prompts, vector), PROMPTS)
+    for output, prompt, want in zip(outputs, PROMPTS, wanted):
         vllm_nnsight_plugin.saves(output)  # no error
-        alone_prepared = steer_blocks(model, [prompt], vector)
-        want = small_kv.generate(alone_prepared.prompts, alone_prepared.params, use_tqdm=False)[0]
         assert list(output.outputs[0].token_ids) == list(want.outputs[0].token_ids)
         assert list(output.outputs[0].token_ids) != alone(small_kv, prompt)
 
