@@ -51,7 +51,7 @@ from ..taps.replay import FIRST, HANDED, PAIR, served
 from ..taps.spec import RUNNER_ATTR
 from ..wire.envelope import Limits
 from ..wire.references import envoy_references
-from . import _nnsight
+from . import _nnsight as nns
 from .admit import RequestIndex, admit
 from .batching import CheckedBatcher
 from .budget import watchdogs
@@ -71,9 +71,6 @@ from .writes import writes
 PYTHON, TAPS = "python", "taps"
 
 logger = logging.getLogger("vllm_nnsight_plugin")
-
-#: The worker's nnsight adapter, imported with the first block (``_build``).
-nns: Any = None
 
 
 class WorkerRuntime:
@@ -112,9 +109,6 @@ class WorkerRuntime:
     # ------------------------------------------------------------------ setup
     def _build(self) -> None:
         """Wrap the live module in nnsight's tree and hook the runner (once)."""
-        global nns
-
-        nns = _nnsight
         runner = self.runner
         module = seams.model_of(runner)
         self.model = nns.build_model(module, seams.tokenizer_of(runner), CheckedBatcher(None))
