@@ -33,7 +33,11 @@ tap, e.g. ``model.layers.*.output`` for every layer (the jobs still use ``LAYER`
 ``GPU_BENCH_JOBS=patch`` runs the tapped engine's plain jobs, then patching alone
 (``at_taps``: the blocks that run as Python at the taps alone; ``prefix``: 1,024
 prompts sharing a 512-token prefix, plain on every engine and, on the tapped
-one, a sweep keeping one layer's last row, which shares the prefix cache).
+one, a sweep keeping one layer's last row, which shares the prefix cache; ``paired``:
+steering 64 and 256, the docs' loop and a direction removed, each right after a
+plain run of its size on the same engine, and a plain one-token call, a one-token
+trace and the lens in turn, ``--repeats`` rounds: ratios that a drift of the
+machine between runs moves on both sides).
 ``GPU_BENCH_REAL=1`` loads real weights (e.g. SmolLM2) instead of dummy ones;
 ``GPU_BENCH_SMALL=1`` shrinks everything for a dry run of the script on a CPU.
 
@@ -660,6 +664,9 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
     if kind == "taps" and os.environ.get("GPU_BENCH_JOBS") == "at_taps":  # those jobs alone
         at_taps_jobs(model, llm, name, repeats, few, params)
         return
+    if kind == "taps" and os.environ.get("GPU_BENCH_JOBS") == "paired":  # those jobs alone
+        paired_jobs(model, llm, name, repeats, few, params, path)
+        return
     vector = unit_vector(path)
     steer(model, few[:4], 8, vector)  # warm-up: builds the worker's tree
     rate(name, "steer", repeats, lambda batch: steer(model, batch, TOKENS, vector))  # a median, as for plain
@@ -822,6 +829,54 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
     result(engine=name, job="sweep", ms=round(1000 * statistics.median(walls), 1))
     (stats,) = llm.collective_rpc("nnsight_stats")
     result(engine=name, job="stats", **stats)
+
+
+def paired_jobs(model, llm, name: str, repeats: int, few: list, params, path: str) -> None:
+    """Each job right after a plain run of its size on the same engine, ``repeats``
+    times: ``<job>_pair`` rows carry both rates and their ratio, so a drift of the
+    machine between runs (stock's own runs spread by up to 6%) moves both sides.
+    The ratio to stock is this one times the idle engine's own (``plain`` rows)."""
+    from vllm import SamplingParams
+
+    vector = unit_vector(path)
+    cpu_vector = vector.float().cpu()
+    u = vector / vector.norm()
+    one = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+    steer(model, few[:4], 8, vector)  # warm-up: builds the worker's tree
+    project(model, few[:4], 8, remove(u))
+    lens(model, few[0])
+    jobs = {
+        "steer": (CONCURRENT, lambda batch: steer(model, batch, TOKENS, vector)),
+        "steer_docs": (
+            CONCURRENT,
+            lambda batch: steer_as_the_docs_write_it(model, batch, TOKENS, cpu_vector),
+        ),
+        "remove": (CONCURRENT, lambda batch: project(model, batch, TOKENS, remove(u))),
+        "steer256": (WIDE, lambda batch: steer(model, batch, TOKENS, vector)),
+    }
+    for _ in range(repeats):
+        for job, (n, run) in jobs.items():
+            plain_batch, batch = unique(n), unique(n)
+            plain_s = timed(lambda b=plain_batch: llm.generate(b, params, use_tqdm=False))
+            job_s = timed(lambda b=batch, run=run: run(b))
+            result(
+                engine=name,
+                job=f"{job}_pair",
+                plain_tok_s=round(n * TOKENS / plain_s, 1),
+                tok_s=round(n * TOKENS / job_s, 1),
+                ratio=round(plain_s / job_s, 4),
+            )
+        # latency: a plain one-token call, a one-token trace saving the logits, the lens
+        walls = {"forward": [], "trace1": [], "lens": []}
+        for p, q, r in zip(unique(10), unique(10), unique(10)):
+            walls["forward"].append(timed(lambda p=p: llm.generate([p], one, use_tqdm=False)))
+            walls["trace1"].append(timed(lambda q=q: trace1(model, q)))
+            walls["lens"].append(timed(lambda r=r: lens(model, r)))
+        result(
+            engine=name,
+            job="latency_pair",
+            **{job: round(1000 * statistics.median(w), 2) for job, w in walls.items()},
+        )
 
 
 def at_taps_jobs(model, llm, name: str, repeats: int, few: list, params) -> None:
