@@ -548,12 +548,14 @@ def shared_prefix(n: int, run: int, prefix: int = 512, own: int = 16) -> list[li
     ]
 
 
-def prefix_jobs(llm, name: str, repeats: int, model=None) -> None:
+def prefix_jobs(llm, name: str, repeats: int, model=None, vector=None) -> None:
     """``SWEEP`` prompts sharing a fresh 512-token prefix, one token each: plain
     (``prefix_plain``), and with the tapped engine's ``model`` a sweep keeping one
     layer's last row (``prefix_sweep``), which shares the prefix cache as the plain
-    requests do (``prefix.py``); ``prefix_path``: the prompt rows the cache gave
-    traced requests."""
+    requests do (``prefix.py``); then the same prompts generating ``TOKENS`` each,
+    plain (``prefix_plain128``) and steered with ``vector`` at every step
+    (``prefix_steer128``); ``prefix_path``: the prompt rows the cache gave traced
+    requests."""
     from vllm import SamplingParams
 
     one = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
@@ -572,9 +574,41 @@ def prefix_jobs(llm, name: str, repeats: int, model=None) -> None:
                 job="prefix_sweep",
                 ms=round(1000 * timed(lambda batch=batch: sweep(model, batch)), 1),
             )
+    # the same prompts generating ``TOKENS`` each, plain and steered with one vector
+    # over every step (``steer_every_step``: its KV is shared by the requests making
+    # that edit, ``prefix.py``)
+    many = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True, detokenize=False)
+    if model is not None:
+        steer_every_step(model, shared_prefix(8, next(runs)), 4, vector)  # warm-up
+    for _ in range(repeats):
+        batch = shared_prefix(SWEEP, next(runs))
+        wall = timed(lambda batch=batch: llm.generate(batch, many, use_tqdm=False))
+        result(engine=name, job="prefix_plain128", ms=round(1000 * wall, 1))
+        if model is not None:
+            batch = shared_prefix(SWEEP, next(runs))
+            wall = timed(lambda batch=batch: steer_every_step(model, batch, TOKENS, vector))
+            result(engine=name, job="prefix_steer128", ms=round(1000 * wall, 1))
     if model is not None:
         (stats,) = llm.collective_rpc("nnsight_stats")
-        result(engine=name, job="prefix_path", prompt_rows_cached=stats["prompt_rows_cached"])
+        result(
+            engine=name,
+            job="prefix_path",
+            prompt_rows_cached=stats["prompt_rows_cached"],
+            lowered_steer=stats["lowered_by"].get("steer", 0),
+            python_blocks=stats.get("python_blocks"),
+        )
+
+
+def steer_every_step(model, batch, tokens, vector) -> None:
+    """The steering page's loop over every step (``tracer.all()``), one vector for
+    every request: requests sharing a prefix share its steered KV."""
+    layer = model.model.layers[LAYER]
+    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+        for ids in batch:
+            with tracer.invoke(ids):
+                for _ in tracer.all():
+                    hidden = layer.output[0]
+                    hidden[:] += vector.to(hidden)
 
 
 def trace1(model, ids):
@@ -659,7 +693,7 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
         patch_jobs(model, llm, name, repeats, few)
         return
     if kind == "taps" and prefixed:  # those jobs alone
-        prefix_jobs(llm, name, repeats, model)
+        prefix_jobs(llm, name, repeats, model, unit_vector(path))
         return
     if kind == "taps" and os.environ.get("GPU_BENCH_JOBS") == "at_taps":  # those jobs alone
         at_taps_jobs(model, llm, name, repeats, few, params)

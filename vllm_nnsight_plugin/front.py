@@ -6,7 +6,8 @@ answer to vLLM's objects; ``plugin.register`` joins the two (``seams.frontend.se
 Here a block is refused unless this process vouched for it, and signed for the
 workers (``wire/trust.py``); a request's choice of installed edits is checked and
 marked (``edits.py``); a block that reads only the last rows shares the prefix
-cache (``prefix.py``); finished requests get their saves (``returns/outputs.py``);
+cache, and one that edits every row alike shares it with the same edit
+(``prefix.py``); finished requests get their saves (``returns/outputs.py``);
 and the OpenAI server's door and routes are set up (``server/``).
 """
 
@@ -19,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .edits import book_of, edits_to_run, installed_on
-from .prefix import CLAIM_KEY, LAST_ROWS
+from .prefix import CLAIM_KEY, LAST_ROWS, SAME_EDIT, edit_salt
 from .returns.outputs import (
     attach_collected,
     finished_for_workers,
@@ -45,7 +46,7 @@ from .taps.spec import CONFIG_KEY, VERSION_KEY, taps_for, version_value
 from .versions import PLUGIN_VERSION
 from .wire import rpc
 from .wire.edits import EditChoiceError, mark
-from .wire.envelope import EXTRA_ARGS_KEY
+from .wire.envelope import EXTRA_ARGS_KEY, payload_of
 from .wire.trust import (
     LOCAL_SIGNATURE_KEY,
     MARK_KEY,
@@ -53,6 +54,7 @@ from .wire.trust import (
     Vouched,
     ensure_local_key,
     ensure_nonce_dir,
+    local_key,
     local_signature,
     mark_serving,
     touches_trust,
@@ -89,10 +91,16 @@ class FrontEnd:
             # Runs no edit, carries no block: as the caller sent it (less any
             # trust key it should not have sent).
             return Admission(given if extra is None else params, None)
-        if not edited and params.extra_args.get(CLAIM_KEY) == LAST_ROWS:
+        claim = None if edited else params.extra_args.get(CLAIM_KEY)
+        if claim == LAST_ROWS:
             # Its blocks read only the last rows and write nothing (``prefix.py``;
             # the worker checks): it shares the prefix cache as a plain request.
             return Admission(params, None)
+        salt = edit_salt_of(params.extra_args[EXTRA_ARGS_KEY]) if claim == SAME_EDIT else None
+        if salt is not None:
+            # Its block edits every row alike at every step (the worker checks): it
+            # shares KV with the requests carrying the same block, and no other.
+            return Admission(params, salt, reads_cache=True)
         # Computed whole, under a salt of its own: hooks see every prompt row, and
         # its KV (traced, perhaps edited) is never another request's.
         return Admission(params, f"vllm-nnsight:{request_id}")
@@ -248,6 +256,25 @@ def sign_vouched(processor: Any, extra: dict) -> None:
     if refusal is not None:
         raise refused(refusal)
     extra[LOCAL_SIGNATURE_KEY] = local_signature(envelope)
+
+
+#: Salts of the blocks seen lately, by envelope: the invokes of a trace's loop
+#: share one envelope, decoded once.
+_SALTS: dict[str, str | None] = {}
+_SALTS_KEPT, _SALTS_CHARS = 64, 256 << 10
+
+
+def edit_salt_of(envelope: Any) -> str | None:
+    """The salt of a same-edit block's KV (``prefix.edit_salt``), or None."""
+    found = _SALTS.get(envelope) if isinstance(envelope, str) else None
+    if found is None:
+        payload, key = payload_of(envelope), local_key()
+        found = edit_salt(payload, key) if payload is not None and key else None
+        if found is not None and len(envelope) <= _SALTS_CHARS:
+            _SALTS[envelope] = found
+            while len(_SALTS) > _SALTS_KEPT:
+                _SALTS.pop(next(iter(_SALTS)))
+    return found
 
 
 def edits_installed(engine: Any) -> bool:

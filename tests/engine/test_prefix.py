@@ -11,7 +11,7 @@ import torch
 from vllm import SamplingParams
 
 import vllm_nnsight_plugin
-from vllm_nnsight_plugin.prefix import CLAIM_KEY, LAST_ROWS, last_rows_only
+from vllm_nnsight_plugin.prefix import CLAIM_KEY, LAST_ROWS, SAME_EDIT, last_rows_only, one_edit_every_step
 
 #: Over one KV block of the CPU engine (128 tokens), and used by no other test.
 PREFIX = " ".join(f"Entry {i} of the ledger lists a cached prefix." for i in range(24))
@@ -137,3 +137,171 @@ def test_a_trace_claims_only_where_every_invoke_qualifies_with_its_own_values(sm
                     p = smol.logits.save()  # noqa: F841
         claims = [param.extra_args.get(CLAIM_KEY) for param in tracer.prepared.params]
         assert claims == ([LAST_ROWS] * 2 if order == [None, None] else [None, None]), order
+
+
+# ---------------------------------------------------------------- the same edit
+def _prefix(subject: str) -> str:
+    """Over two KV blocks of the CPU engine, and used by no other test (a plain
+    request that ran it earlier would have cached it)."""
+    return " ".join(f"Line {i} of the {subject} repeats a prefix of its own." for i in range(24))
+
+
+def _edits_alike(model, source: str, **scope) -> bool:
+    from nnsight.intervention.tracer import InterleavingTracer
+
+    tracer = object.__new__(InterleavingTracer)  # a tracer's type is all the test reads of it
+    meta = model._module
+    return one_edit_every_step(
+        source, {"model": model, "tracer": tracer, **scope}, model, meta.get_submodule, InterleavingTracer
+    )
+
+
+#: The steering page's loop, and other spellings of one edit of every row at every step.
+ALIKE = [
+    "drawn = list().save()\nfor _ in tracer.all():\n    hidden = layer.output[0]\n"
+    "    hidden[:] += sign * 4.0 * direction.to(hidden)\n    drawn.append(model.samples.item())",
+    "for _ in tracer.all():\n    layer.output[0][:] += direction",
+    "for _ in tracer.iter[:]:\n    model.model.layers[3].output[0][:] *= 0.5",
+    "for _ in tracer.all():\n    model.model.layers[3].output[1][:, 0:10] = 0",
+    "for step in tracer.all():\n    h = layer.output[0]\n    h[:] -= sign * direction.to(h)\n"
+    "    last = model.model.layers[12].output[0][-1].save()",
+    "for _ in tracer.all():\n    if sign > 0:\n        layer.output[0][:] += direction",  # decided once
+    "for _ in tracer.all():\n    layer.output[0][:] += sign",  # a captured number
+]
+
+NOT_ALIKE = [
+    "for _ in tracer.iter[:8]:\n    layer.output[0][:] += direction",  # bounded: prompt and drawn rows differ
+    "for _ in tracer.iter[1:]:\n    layer.output[0][:] += direction",
+    "layer.output[0][:] += direction",  # the prompt's step only
+    "for _ in tracer.all():\n    layer.output[0][-1] += direction",  # the last row: where depends on the prompt
+    "for _ in tracer.all():\n    layer.output[0][:] += layer.output[0][-1]",  # another row's value
+    "for _ in tracer.all():\n    hidden = layer.output[0]\n    hidden[:] += direction.to(hidden)\n    hidden.save()",
+    "for _ in tracer.all():\n    hidden = layer.output[0]\n    hidden[:] += torch.randn(576).to(hidden)",
+    "for _ in tracer.all():\n    layer.output[0][:] += direction\n    rows = model.model.layers[5].output[0].save()",
+    "for _ in tracer.all():\n    layer.output[0][:] += direction\n    break",
+    "for i in tracer.all():\n    layer.output[0][:] += i",  # the step's number
+    "for _ in tracer.all():\n    layer.mlp.output[:] = 0",  # a module returning a tensor
+    "for _ in tracer.all():\n    layer.output[0][:] += direction\n    layer.output[0].mul_(2)",
+    "for _ in tracer.all():\n    hidden = layer.output[0]\n    hidden = layer.output[1]\n    hidden[:] += direction",
+    "for _ in tracer.all():\n    layer.output[0][:] += direction.to(layer.output[1])",
+    "for _ in tracer.all():\n    layer.output[0][:] += direction\nrows = layer.output[0].save()",
+    "for _ in tracer.all():\n    layer.output[0][:] += helper(direction)",  # a function of the user's
+]
+
+
+@pytest.mark.parametrize("source", ALIKE)
+def test_blocks_editing_every_row_alike_at_every_step_qualify(meta_model, source):
+    layer = meta_model.model.layers[10]
+    assert _edits_alike(meta_model, source, layer=layer, direction=torch.ones(576), sign=1)
+    assert not _claims(meta_model, source, layer=layer, direction=torch.ones(576), sign=1, tracer=None)
+
+
+@pytest.mark.parametrize("source", NOT_ALIKE)
+def test_other_edits_do_not(meta_model, source):
+    layer = meta_model.model.layers[10]
+    scope = {"layer": layer, "direction": torch.ones(576), "sign": 1, "torch": torch, "helper": abs}
+    assert not _edits_alike(meta_model, source, **scope)
+
+
+def _steered(model, llm, prompt: str, vector, tokens: int = 4):
+    """The steering page's loop over every step: its finished output, what it
+    drew, and a later layer's last row at each step."""
+    with model.requests(prompt, temperature=0.0, max_tokens=tokens) as tracer:
+        drawn, rows = list().save(), list().save()  # noqa: F841 - read from the output
+        for _ in tracer.all():
+            hidden = model.model.layers[10].output[0]
+            hidden[:] += 8.0 * vector.to(hidden)
+            rows.append(model.model.layers[20].output[0][-1].clone())
+            drawn.append(model.samples.item())
+    prepared = tracer.prepared
+    assert prepared.params[0].extra_args.get(CLAIM_KEY) == SAME_EDIT
+    (output,) = llm.generate(prepared.prompts, prepared.params, use_tqdm=False)
+    saves = vllm_nnsight_plugin.saves(output)
+    return output, list(saves["drawn"]), torch.stack(list(saves["rows"]))
+
+
+def test_requests_making_the_same_edit_share_its_kv_and_see_what_they_see_cold(smol, smollm2_llm):
+    torch.manual_seed(1)
+    vector = torch.randn(576)
+    prompt = _prefix("steered log") + " The steered log ends with"
+    cold, drawn_cold, rows_cold = _steered(smol, smollm2_llm, prompt, vector)
+    hit, drawn_hit, rows_hit = _steered(smol, smollm2_llm, prompt, vector)
+    assert cold.num_cached_tokens == 0 and hit.num_cached_tokens >= 128
+    assert drawn_hit == drawn_cold and list(hit.outputs[0].token_ids) == list(cold.outputs[0].token_ids)
+    assert torch.equal(rows_hit, rows_cold)
+    plain = smollm2_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)[0]
+    assert plain.num_cached_tokens == 0  # the steered KV is no plain request's
+    assert list(plain.outputs[0].token_ids) != drawn_cold  # (the edit changes them)
+    other, _, _ = _steered(smol, smollm2_llm, prompt, -vector)
+    assert other.num_cached_tokens == 0  # nor another edit's
+
+
+def test_a_same_edit_claim_its_block_does_not_bear_out_fails_every_request_carrying_it(smol, smollm2_llm):
+    """Every request under one salt carries the same block, so all of them fail
+    before their blocks run: what they wrote there is read by no request that
+    succeeds."""
+    prompt = _prefix("forged edit") + " A forged edit"
+    vector = torch.ones(576)
+    with smol.requests(prompt, temperature=0.0, max_tokens=2) as tracer:
+        for _ in tracer.all():
+            hidden = smol.model.layers[10].output[0]
+            hidden[-1] += vector.to(hidden)  # the last row: not every row alike
+    prepared = tracer.prepared
+    assert CLAIM_KEY not in prepared.params[0].extra_args
+    prepared.params[0].extra_args[CLAIM_KEY] = SAME_EDIT  # as a client that lies would send it
+    prepared.params[0].skip_reading_prefix_cache = False
+    plain = SamplingParams(temperature=0.0, max_tokens=2)
+    for round in range(2):
+        outs = smollm2_llm.generate([prompt, prompt], [plain, prepared.params[0]], use_tqdm=False)
+        with pytest.raises(Exception, match="one edit of every row at every step"):
+            vllm_nnsight_plugin.saves(outs[1])
+        assert outs[1].num_cached_tokens == (
+            0 if round == 0 else 128 * (len(outs[1].prompt_token_ids) // 128)
+        )
+    assert smollm2_llm.collective_rpc("nnsight_tracked") == [0]
+
+
+def test_a_request_that_also_runs_an_installed_edit_keeps_its_kv_to_itself(smol, smollm2_llm):
+    """An installed edit (``model.edit()``) is part of what computes a request's KV,
+    and is not in its block: such a request computes its whole prompt under a salt
+    of its own, and once the edit is cleared the block's salt is back."""
+    torch.manual_seed(2)
+    vector = torch.randn(576)
+    prompt = _prefix("edited log") + " The edited log ends with"
+    first, _, _ = _steered(smol, smollm2_llm, prompt, vector)
+    with smol.edit() as (tracer, edit):
+        stream = smol.model.layers[20].output[0][-1].clone().save()  # noqa: F841
+    try:
+        edited, _, _ = _steered(smol, smollm2_llm, prompt, vector)
+    finally:
+        edit.clear()
+    after, _, _ = _steered(smol, smollm2_llm, prompt, vector)
+    assert first.num_cached_tokens == 0 and edited.num_cached_tokens == 0
+    assert "stream" in edited.saves and after.num_cached_tokens >= 128
+
+
+def test_invokes_of_one_trace_making_one_edit_share_its_prefix_and_see_what_they_see_cold(smol, smollm2_llm):
+    torch.manual_seed(3)
+    vector = torch.randn(576)
+    prefix = _prefix("shared trace")
+    prompts = [prefix + " The first entry reads", prefix + " The second entry reads"]
+    (before,) = smollm2_llm.collective_rpc("nnsight_stats")
+    with smol.trace(temperature=0.0, max_tokens=4) as tracer:
+        for prompt in prompts:
+            with tracer.invoke(prompt):
+                drawn, rows = list().save(), list().save()
+                for _ in tracer.all():
+                    hidden = smol.model.layers[10].output[0]
+                    hidden[:] += 8.0 * vector.to(hidden)
+                    rows.append(smol.model.layers[20].output[0][-1].clone())
+                    drawn.append(smol.samples.item())
+    (after,) = smollm2_llm.collective_rpc("nnsight_stats")
+    assert after["prompt_rows_cached"] - before["prompt_rows_cached"] >= 128  # the second read the first's
+    for index, prompt in enumerate(prompts):
+        smollm2_llm.reset_prefix_cache()
+        alone, drawn_alone, rows_alone = _steered(smol, smollm2_llm, prompt, vector)
+        assert alone.num_cached_tokens == 0
+        # the tokens the same; the rows to float32's rounding, since alone it runs in
+        # a batch of its own (bit for bit in a batch alike: the test before)
+        assert list(drawn[index]) == drawn_alone
+        torch.testing.assert_close(torch.stack(list(rows[index])), rows_alone, rtol=1e-4, atol=1e-4)

@@ -1,6 +1,7 @@
 """The front end's policy (``front.py``) without an engine: what it answers the
 input-processing seam for plain, unvouched, vouched and last-row requests, and
-that the seams call vLLM as it is while no policy is set."""
+that the seams call vLLM as it is while no policy is set; the salt of a block
+that edits every row alike."""
 
 from __future__ import annotations
 
@@ -10,14 +11,15 @@ import pytest
 from vllm import SamplingParams
 
 from vllm_nnsight_plugin.front import FrontEnd
-from vllm_nnsight_plugin.prefix import CLAIM_KEY, LAST_ROWS
-from vllm_nnsight_plugin.wire.envelope import EXTRA_ARGS_KEY
+from vllm_nnsight_plugin.prefix import CLAIM_KEY, EDIT_SALT, LAST_ROWS, SAME_EDIT, edit_salt
+from vllm_nnsight_plugin.wire.envelope import EXTRA_ARGS_KEY, payload_of, seal
 from vllm_nnsight_plugin.wire.trust import (
     LOCAL_SIGNATURE_KEY,
     VOUCHED_KEY,
     RefusedBlockError,
     Vouched,
     ensure_local_key,
+    local_key,
 )
 
 #: An input processor with no edit installed, on an engine of one rank.
@@ -46,20 +48,49 @@ def test_a_block_nobody_vouched_for_is_refused_as_a_bad_request():
 def test_a_vouched_block_is_signed_computed_whole_and_salted_on_a_copy():
     ensure_local_key()
     given = vouched()
-    params, salt = FrontEnd().admit(PROCESSOR, "r-1", given)
-    assert salt == "vllm-nnsight:r-1"  # its KV is its own
+    params, salt, reads_cache = FrontEnd().admit(PROCESSOR, "r-1", given)
+    assert salt == "vllm-nnsight:r-1" and not reads_cache  # its KV is its own
     assert params is not given and VOUCHED_KEY in given.extra_args  # the caller's stay as they were
     assert VOUCHED_KEY not in params.extra_args and params.extra_args[LOCAL_SIGNATURE_KEY]
 
 
 def test_a_block_that_reads_only_the_last_rows_shares_the_prefix_cache():
     ensure_local_key()
-    params, salt = FrontEnd().admit(PROCESSOR, "r", vouched(**{CLAIM_KEY: LAST_ROWS}))
+    params, salt, _ = FrontEnd().admit(PROCESSOR, "r", vouched(**{CLAIM_KEY: LAST_ROWS}))
     assert salt is None and params.extra_args[LOCAL_SIGNATURE_KEY]
 
 
+def _sealed(block: bytes, **key) -> str:
+    return seal(block, nnsight_version="0", plugin_version="0", **key)
+
+
+def test_a_block_that_edits_every_row_alike_shares_kv_with_the_same_block_only():
+    """The salt names the block's bytes (not the envelope: a block sealed again, as
+    a later trace does, keeps it), keyed with the engine's local key."""
+    ensure_local_key()
+    block = b"the same block"
+    one, again, other = _sealed(block), _sealed(block), _sealed(b"another block")
+    admitted = [
+        FrontEnd().admit(PROCESSOR, f"r{i}", vouched(e, **{CLAIM_KEY: SAME_EDIT}))
+        for i, e in enumerate((one, again, other))
+    ]
+    salts = [a.salt for a in admitted]
+    assert all(a.reads_cache for a in admitted) and all(s.startswith(EDIT_SALT) for s in salts)
+    assert salts[0] == salts[1] != salts[2]
+    assert salts[0] == edit_salt(payload_of(one), local_key()) != edit_salt(payload_of(one), "another key")
+    assert block.hex() not in salts[0] and payload_of(one) not in salts[0]
+    unclaimed = FrontEnd().admit(PROCESSOR, "r9", vouched(one))
+    assert unclaimed.salt == "vllm-nnsight:r9" and not unclaimed.reads_cache
+
+
+def test_an_envelope_without_a_payload_has_none():
+    assert payload_of("nns2:not base64!") is None and payload_of("other") is None and payload_of(3) is None
+    signed = _sealed(b"block", key="k" * 32)
+    assert payload_of(signed) == payload_of(_sealed(b"block"))  # the signature is not the block
+
+
 def test_a_signature_sent_from_outside_is_dropped_from_a_plain_request():
-    params, salt = FrontEnd().admit(
+    params, salt, _ = FrontEnd().admit(
         PROCESSOR, "r", SamplingParams(extra_args={LOCAL_SIGNATURE_KEY: "forged"})
     )
     assert salt is None and LOCAL_SIGNATURE_KEY not in params.extra_args

@@ -45,7 +45,7 @@ from nnsight.tracing.backend import Backend
 
 from .. import seams
 from ..plugin import _disabled, switched_off
-from ..prefix import CLAIM_KEY, LAST_ROWS, last_rows_only, names_used
+from ..prefix import CLAIM_KEY, LAST_ROWS, SAME_EDIT, last_rows_only, names_used, one_edit_every_step
 from ..returns.outputs import RESULT_KEY, UNREAD
 from ..seams.frontend import config_of, cuda_with_triton, model_path_of
 from ..taps.source import handed_in, operations_in
@@ -318,8 +318,10 @@ class VLLM(Edits, _NNsightVLLM):
 
     def _claim_last_rows(self, mediators: list, params: list) -> None:
         """Where every block of the trace reads each module only at the last row of
-        each step and writes nothing, say so on each request: it then shares the
-        prefix cache as a plain request does (``prefix.py``; the worker checks)."""
+        each step, and writes nothing or one edit of every row at every step, say
+        so on each request: it then shares the prefix cache as a plain request
+        does, or with the requests making the same edit (``prefix.py``; the
+        worker checks)."""
         meta = self.__dict__.get("_module")
         if meta is None or not mediators:
             return
@@ -327,9 +329,9 @@ class VLLM(Edits, _NNsightVLLM):
 
         module_at = modules_of(meta)
 
-        known: dict[tuple, bool] = {}  # invokes of one block with the same captured objects
+        known: dict[tuple, str | None] = {}  # invokes of one block with the same captured objects
 
-        def qualifies(mediator: Any) -> bool:
+        def qualifies(mediator: Any) -> str | None:
             source, scope = block_of(mediator)
             # the values of the names the block uses: a plain one by its value (an
             # ``if`` on it picks what the block does), any other by its identity
@@ -342,16 +344,21 @@ class VLLM(Edits, _NNsightVLLM):
                 ),
             )
             if key not in known:
-                known[key] = last_rows_only(source, scope, self, module_at, InterleavingTracer)
+                if last_rows_only(source, scope, self, module_at, InterleavingTracer):
+                    known[key] = LAST_ROWS
+                elif one_edit_every_step(source, scope, self, module_at, InterleavingTracer):
+                    known[key] = SAME_EDIT
+                else:
+                    known[key] = None
             return known[key]
 
         try:
-            every = all(qualifies(mediator) for mediator in mediators)
+            claims = [qualifies(mediator) for mediator in mediators]
         except Exception:  # noqa: BLE001 - without the claim a request computes its whole prompt
-            every = False
-        if every:
-            for param in params[: len(mediators)]:
-                param.extra_args[CLAIM_KEY] = LAST_ROWS
+            return
+        if all(claims):
+            for param, claim in zip(params, claims):
+                param.extra_args[CLAIM_KEY] = claim
                 if hasattr(param, "skip_reading_prefix_cache"):  # (nnsight's client sets it)
                     param.skip_reading_prefix_cache = False
 

@@ -29,10 +29,12 @@ from .wrap import wrap
 class Admission(NamedTuple):
     """The policy's answer for a request it changes: the parameters the engine gets
     (a copy: the caller's stay as they were), and the salt of the KV it writes.
-    With a salt the request is also computed whole (no prefix-cache reads)."""
+    With a salt the request is also computed whole (no prefix-cache reads),
+    unless ``reads_cache``: then it reads what was cached under its salt."""
 
     params: Any
     salt: str | None
+    reads_cache: bool = False
 
 
 class FrontEndPolicy(Protocol):
@@ -108,14 +110,15 @@ def patch_input_processor() -> None:
             admitted = None if _policy is None else _policy.admit(self, request_id, params)
             if admitted is None:
                 return original(self, request_id, prompt, params, *args, **kwargs)
-            params, salt = admitted
+            params, salt, reads_cache = admitted
             if salt is None:
                 return original(self, request_id, prompt, params, *args, **kwargs)
-            # Cached prompt rows are never recomputed, so hooks would not see them.
-            params.skip_reading_prefix_cache = True
+            if not reads_cache:
+                # Cached prompt rows are never recomputed, so hooks would not see them.
+                params.skip_reading_prefix_cache = True
             request = original(self, request_id, prompt, params, *args, **kwargs)
-            # A salt of its own keeps the request's KV blocks out of reach of every
-            # other request (skip_reading_prefix_cache only stops reads).
+            # A salt keeps the request's KV blocks out of reach of every request
+            # without it (skip_reading_prefix_cache only stops reads).
             request.cache_salt = f"{request.cache_salt}|{salt}" if request.cache_salt else salt
             return request
 

@@ -190,6 +190,21 @@ def _short(value: object, *, quoted: bool = True) -> str:
 _FIELDS_BYTES = 1024
 
 
+def payload_of(value: object) -> str | None:
+    """The payload of an envelope the front end already vouched for (the block's
+    bytes, base64), or None where it has none: what names the block itself,
+    whenever and however often it was sealed."""
+    if not isinstance(value, str) or not value.startswith(_PREFIX):
+        return None
+    body, _ = split_signature(value)
+    try:
+        document = json.loads(base64.b64decode(body[len(_PREFIX) :], validate=True))
+    except (binascii.Error, ValueError, RecursionError):
+        return None
+    payload = document.get("payload") if isinstance(document, dict) else None
+    return payload if isinstance(payload, str) else None
+
+
 def open_envelope(
     value: object,
     *,

@@ -11,7 +11,7 @@ import hashlib
 from collections.abc import Callable
 from typing import Any
 
-from ..prefix import CLAIM_KEY, LAST_ROWS, PrefixClaimError, last_rows_only
+from ..prefix import CLAIM_KEY, LAST_ROWS, SAME_EDIT, PrefixClaimError, last_rows_only, one_edit_every_step
 from ..taps.meaning import folded
 from ..taps.replay import modules_of
 from ..versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT
@@ -99,35 +99,44 @@ def read(mediator: Any, model: Any) -> None:
     mediator.may_write = may_write(source, scope, model, nns.InterleavingTracer)
 
 
-#: Blocks (by their bytes' digest) read at admission for a prefix claim: whether
-#: they read only the last rows (``prefix.py``).
-_LAST_ROWS: dict[bytes, bool] = {}
-_LAST_ROWS_KEPT = 4096
+#: Blocks (by their claim and their bytes' digest) read at admission for a prefix
+#: claim: whether they bear it out (``prefix.py``).
+_CLAIMS: dict[tuple[str, bytes], bool] = {}
+_CLAIMS_KEPT = 4096
 
-_CLAIM_REFUSED = (
-    "this request read the prefix cache, saying its block reads each module only at the last "
-    "row of each step and writes nothing, and its block does not: it would have seen rows the "
-    "cache supplied. A client of this plugin sets that claim only where it holds; send the block "
-    f"without extra_args[{CLAIM_KEY!r}]."
-)
+#: What each claim says, and the test of it (the client's own).
+_TESTS = {LAST_ROWS: last_rows_only, SAME_EDIT: one_edit_every_step}
+_SAYS = {
+    LAST_ROWS: "its block reads each module only at the last row of each step and writes nothing",
+    SAME_EDIT: "its block's every write is one edit of every row at every step, and the rest of it "
+    "reads only the last rows",
+}
 
 
-def _reads_last_rows(mediator: Any, model: Any, digest: bytes) -> bool:
-    """Whether a loaded block reads only the last rows (the client's own test),
-    once per block's bytes."""
-    known = _LAST_ROWS.get(digest)
+def _refusal(claim: str) -> str:
+    return (
+        f"this request read the prefix cache, saying {_SAYS[claim]}, and its block does not: it "
+        "would have seen rows the cache supplied, or made KV that other requests read. A client of "
+        f"this plugin sets that claim only where it holds; send the block without extra_args[{CLAIM_KEY!r}]."
+    )
+
+
+def _bears_out(claim: str, mediator: Any, model: Any, digest: bytes) -> bool:
+    """Whether a loaded block bears out its claim (the client's own test), once
+    per claim and block's bytes: a verdict of the bytes alone."""
+    known = _CLAIMS.get((claim, digest))
     if known is not None:
         return known
 
     source, scope = nns.block_source(mediator), nns.block_scope(mediator)
     module_at = modules_of(nns.envoy_module(model))
     try:
-        found = last_rows_only(source, scope, model, module_at, nns.InterleavingTracer)
+        found = _TESTS[claim](source, scope, model, module_at, nns.InterleavingTracer)
     except Exception:  # noqa: BLE001 - any doubt: the claim does not hold
         found = False
-    if len(_LAST_ROWS) >= _LAST_ROWS_KEPT:
-        _LAST_ROWS.clear()
-    _LAST_ROWS[digest] = found
+    if len(_CLAIMS) >= _CLAIMS_KEPT:
+        _CLAIMS.clear()
+    _CLAIMS[(claim, digest)] = found
     return found
 
 
@@ -161,19 +170,20 @@ def admit(
     """
     params = data.sampling_params
     request = request_for(requests, index, data.req_id)
-    # the request read the prefix cache, saying its block reads only the last rows
-    claimed = params.extra_args.get(CLAIM_KEY) == LAST_ROWS
+    # the request read the prefix cache, saying what its block does (``prefix.py``)
+    claim = params.extra_args.get(CLAIM_KEY)
+    claimed = claim in _TESTS
     try:
         block, digest = opened(
             params.extra_args[EXTRA_ARGS_KEY], params.extra_args.get(LOCAL_SIGNATURE_KEY), limits
         )
-        known = not claimed or _LAST_ROWS.get(digest, False)
+        known = not claimed or _CLAIMS.get((claim, digest), False)
         if lower_known is not None and known and lower_known(request, digest):
             return digest
         mediator = nns.load_block(block, persistent)
         read(mediator, model)
-        if claimed and not _reads_last_rows(mediator, model, digest):
-            request.error = nns.capture_exception(PrefixClaimError(_CLAIM_REFUSED))
+        if claimed and not _bears_out(claim, mediator, model, digest):
+            request.error = nns.capture_exception(PrefixClaimError(_refusal(claim)))
             return None
         request.mediator = mediator
         return digest
