@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -264,6 +265,9 @@ _SALTS: dict[str, str | None] = {}
 _SALTS_KEPT, _SALTS_CHARS = 64, 256 << 10
 
 
+_salts_lock = threading.Lock()
+
+
 def edit_salt_of(envelope: Any) -> str | None:
     """The salt of a same-edit block's KV (``prefix.edit_salt``), or None."""
     found = _SALTS.get(envelope) if isinstance(envelope, str) else None
@@ -271,9 +275,10 @@ def edit_salt_of(envelope: Any) -> str | None:
         payload, key = payload_of(envelope), local_key()
         found = edit_salt(payload, key) if payload is not None and key else None
         if found is not None and len(envelope) <= _SALTS_CHARS:
-            _SALTS[envelope] = found
-            while len(_SALTS) > _SALTS_KEPT:
-                _SALTS.pop(next(iter(_SALTS)))
+            with _salts_lock:
+                _SALTS[envelope] = found
+                while len(_SALTS) > _SALTS_KEPT:
+                    _SALTS.pop(next(iter(_SALTS)))
     return found
 
 

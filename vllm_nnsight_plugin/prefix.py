@@ -35,7 +35,7 @@ the cache. What qualifies (:func:`one_edit_every_step`): inside a top-level
 ``<value>[:] op= c`` or ``<value>[:, a:b] op= c`` (``op`` one of ``+ - * /`` or
 plain assignment) on ``<module>.output[0]`` or ``[1]`` of a tuple-returning
 module, written directly or through a name assigned that value in the loop;
-``c`` is made of numbers and captured numbers or tensors, ``+ - * /``, and
+``c`` is made of numbers and captured numbers or vectors, ``+ - * /``, and
 ``.to(<that value>)``; no ``break``, ``continue`` or ``return`` in the loop;
 and the block without its edits reads only the last rows (as above). A bounded
 loop does not qualify: a row that is one request's prompt and another's drawn
@@ -323,7 +323,7 @@ def _every_row(index: ast.AST) -> bool:
 
 def _constant(node: ast.AST, edited: ast.AST, scope: dict, stored: Counter) -> bool:
     """A value the same at every row and step: numbers and captured numbers or
-    tensors, ``+ - * /``, and ``<that>.to(<the edited value>)``."""
+    vectors, ``+ - * /``, and ``<that>.to(<the edited value>)``."""
     import torch
 
     if isinstance(node, ast.Constant):
@@ -331,8 +331,8 @@ def _constant(node: ast.AST, edited: ast.AST, scope: dict, stored: Counter) -> b
     if isinstance(node, ast.Name):
         if node.id in stored or node.id not in scope:
             return False
-        found = scope[node.id]
-        return type(found) in (int, float) or type(found) is torch.Tensor
+        found = scope[node.id]  # a number, or a vector (a tensor of rows would be by position)
+        return type(found) in (int, float) or (type(found) is torch.Tensor and found.dim() <= 1)
     if isinstance(node, ast.BinOp):
         return isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div)) and all(
             _constant(side, edited, scope, stored) for side in (node.left, node.right)

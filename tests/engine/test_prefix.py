@@ -186,6 +186,7 @@ NOT_ALIKE = [
     "for _ in tracer.all():\n    layer.output[0][:] += direction.to(layer.output[1])",
     "for _ in tracer.all():\n    layer.output[0][:] += direction\nrows = layer.output[0].save()",
     "for _ in tracer.all():\n    layer.output[0][:] += helper(direction)",  # a function of the user's
+    "for _ in tracer.all():\n    layer.output[0][:] += per_row",  # a tensor of rows: by position
 ]
 
 
@@ -200,7 +201,20 @@ def test_blocks_editing_every_row_alike_at_every_step_qualify(meta_model, source
 def test_other_edits_do_not(meta_model, source):
     layer = meta_model.model.layers[10]
     scope = {"layer": layer, "direction": torch.ones(576), "sign": 1, "torch": torch, "helper": abs}
-    assert not _edits_alike(meta_model, source, **scope)
+    assert not _edits_alike(meta_model, source, per_row=torch.ones(3, 576), **scope)
+
+
+def test_a_claim_leaves_a_request_asking_for_prompt_logprobs_computing_its_prompt(smol):
+    """vLLM gives prompt log-probabilities only for rows it computes: such a request
+    keeps skipping cache reads (its KV is still salted by its block)."""
+    vector = torch.ones(576)
+    for logprobs, skips in ((None, False), (1, True)):
+        with smol.requests(PREFIX, temperature=0.0, max_tokens=1, prompt_logprobs=logprobs) as tracer:
+            for _ in tracer.all():
+                hidden = smol.model.layers[10].output[0]
+                hidden[:] += vector.to(hidden)
+        (params,) = tracer.prepared.params
+        assert params.extra_args[CLAIM_KEY] == SAME_EDIT and params.skip_reading_prefix_cache is skips
 
 
 def _steered(model, llm, prompt: str, vector, tokens: int = 4):

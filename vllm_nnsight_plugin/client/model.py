@@ -359,8 +359,8 @@ class VLLM(Edits, _NNsightVLLM):
         if all(claims):
             for param, claim in zip(params, claims):
                 param.extra_args[CLAIM_KEY] = claim
-                if hasattr(param, "skip_reading_prefix_cache"):  # (nnsight's client sets it)
-                    param.skip_reading_prefix_cache = False
+                if hasattr(param, "skip_reading_prefix_cache") and not _wants_prompt_logprobs(param):
+                    param.skip_reading_prefix_cache = False  # (nnsight's client sets it)
 
     def _say_untapped(self, mediators: list) -> None:
         """Before the requests go: warn of each location a block names that no tap of
@@ -605,6 +605,15 @@ def _is_async_llm(value: Any) -> bool:
     except ImportError:
         return False
     return isinstance(value, AsyncLLM)
+
+
+def _wants_prompt_logprobs(params: Any) -> bool:
+    """Whether a request asks for its prompt's log-probabilities, which vLLM computes
+    only for prompt rows it does not read from the cache (it then skips reading)."""
+    return (
+        getattr(params, "prompt_logprobs", None) is not None
+        or getattr(params, "prompt_logprob_token_ids", None) is not None
+    )
 
 
 class _Take:
