@@ -193,7 +193,7 @@ def one_edit_every_step(
             continue
         if any(isinstance(node, (ast.Break, ast.Continue, ast.Return)) for node in ast.walk(loop)):
             return False
-        aliases: dict[str, tuple] = {}  # a name assigned a value the loop edits
+        aliases: dict[str, ast.stmt] = {}  # a name given a value the loop edits: its assignment
         for statement in loop.body:
             value = _edited_value(statement, scope, model, module_at, stored)
             if value is not None:
@@ -354,10 +354,10 @@ def _constant(node: ast.AST, edited: ast.AST, scope: dict, stored: Counter) -> b
 
 def _without(tree: ast.Module, edits: list[ast.stmt], named: list[ast.stmt]) -> str | None:
     """The block's source without its edits, and without the assignments of the
-    names they write through where nothing else uses those names."""
-    gone = {id(statement) for statement in edits}
+    names they write through; None where such a name is read elsewhere too (it
+    is every row of the value)."""
 
-    def strip(body: list[ast.stmt]) -> list[ast.stmt]:
+    def strip(body: list[ast.stmt], gone: set[int]) -> list[ast.stmt]:
         kept = []
         for statement in body:
             if id(statement) in gone:
@@ -365,17 +365,18 @@ def _without(tree: ast.Module, edits: list[ast.stmt], named: list[ast.stmt]) -> 
             for field in ("body", "orelse", "finalbody"):
                 inner = getattr(statement, field, None)
                 if isinstance(inner, list) and inner and isinstance(inner[0], ast.stmt):
-                    setattr(statement, field, strip(inner) or [ast.Pass()])
+                    setattr(statement, field, strip(inner, gone) or [ast.Pass()])
             kept.append(statement)
         return kept
 
-    tree = ast.Module(body=strip(list(tree.body)), type_ignores=[])
-    used = Counter(n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load))
-    gone = {id(s) for s in named if not used[s.targets[0].id]}  # type: ignore[attr-defined]
-    if len(gone) < len({id(s) for s in named}):
-        return None  # a name an edit writes through is read too: every row of it
-    tree = ast.Module(body=strip(list(tree.body)), type_ignores=[])
+    body = strip(list(tree.body), {id(statement) for statement in edits})
+    used = Counter(
+        n.id for s in body for n in ast.walk(s) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+    )
+    if any(used[s.targets[0].id] for s in named):  # type: ignore[attr-defined]
+        return None
+    rest = ast.Module(body=strip(body, {id(s) for s in named}), type_ignores=[])
     try:
-        return ast.unparse(ast.fix_missing_locations(tree))
+        return ast.unparse(ast.fix_missing_locations(rest))
     except Exception:  # noqa: BLE001 - any doubt: it does not qualify
         return None
