@@ -554,8 +554,9 @@ def prefix_jobs(llm, name: str, repeats: int, model=None, vector=None) -> None:
     layer's last row (``prefix_sweep``), which shares the prefix cache as the plain
     requests do (``prefix.py``); then the same prompts generating ``TOKENS`` each,
     plain (``prefix_plain128``) and steered with ``vector`` at every step
-    (``prefix_steer128``); ``prefix_path``: the prompt rows the cache gave traced
-    requests."""
+    (``prefix_steer128``); ``prefix_check``: eight such steered requests in one
+    trace against each alone on an emptied cache; ``prefix_path``: the prompt rows
+    the cache gave traced requests."""
     from vllm import SamplingParams
 
     one = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
@@ -589,6 +590,26 @@ def prefix_jobs(llm, name: str, repeats: int, model=None, vector=None) -> None:
             wall = timed(lambda batch=batch: steer_every_step(model, batch, TOKENS, vector))
             result(engine=name, job="prefix_steer128", ms=round(1000 * wall, 1))
     if model is not None:
+        # the steered requests of one trace, sharing the steered prefix, against each
+        # run alone with the cache emptied first (and against plain: the edit shows)
+        big, short = 100 * vector, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        batch = shared_prefix(8, next(runs))
+        (before,) = llm.collective_rpc("nnsight_stats")
+        together = steer_every_step_tokens(model, batch, 16, big)
+        (after,) = llm.collective_rpc("nnsight_stats")
+        alone = []
+        for ids in batch:
+            llm.reset_prefix_cache()
+            alone += steer_every_step_tokens(model, [ids], 16, big)
+        plain = [list(o.outputs[0].token_ids) for o in llm.generate(batch, short, use_tqdm=False)]
+        result(
+            engine=name,
+            job="prefix_check",
+            same_tokens=sum(a == b for a, b in zip(together, alone)),
+            steered=sum(a != b for a, b in zip(together, plain)),
+            rows_cached=after["prompt_rows_cached"] - before["prompt_rows_cached"],
+            of=len(batch),
+        )
         (stats,) = llm.collective_rpc("nnsight_stats")
         result(
             engine=name,
@@ -597,6 +618,20 @@ def prefix_jobs(llm, name: str, repeats: int, model=None, vector=None) -> None:
             lowered_steer=stats["lowered_by"].get("steer", 0),
             python_blocks=stats.get("python_blocks"),
         )
+
+
+def steer_every_step_tokens(model, batch, tokens, vector) -> list[list[int]]:
+    """:func:`steer_every_step`, each request's tokens drawn (read at the sampler)."""
+    layer = model.model.layers[LAYER]
+    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+        for ids in batch:
+            with tracer.invoke(ids):
+                drawn = list().save()
+                for _ in tracer.all():
+                    hidden = layer.output[0]
+                    hidden[:] += vector.to(hidden)
+                    drawn.append(model.samples.item())
+    return [list(d) for d in drawn] if len(batch) > 1 else [list(drawn)]
 
 
 def steer_every_step(model, batch, tokens, vector) -> None:
