@@ -317,10 +317,10 @@ def project_tokens_python(model, batch, tokens, change) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in out]
 
 
-def steer_and_draw(model, batch, tokens, vector) -> None:
+def steer_and_draw(model, batch, tokens, vector) -> list[list[int]]:
     """The steering page's loop as written: the docs' edit, every step to the end
     (``tracer.all()``), each step's drawn token kept (Python at the sampler, the
-    edit on the taps: a split block)."""
+    edit on the taps: a split block); each request's tokens."""
     layer = model.model.layers[LAYER]
     with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
         for ids in batch:
@@ -330,6 +330,7 @@ def steer_and_draw(model, batch, tokens, vector) -> None:
                     hidden = layer.output[0]
                     hidden[:] += 1.0 * vector.to(hidden)
                     drawn.append(model.samples.item())
+    return [list(d) for d in drawn] if len(batch) > 1 else [list(drawn)]
 
 
 def steer_tokens(model, batch, tokens, vector) -> list[list[int]]:
@@ -560,47 +561,44 @@ def prefix_jobs(llm, name: str, repeats: int, model=None, vector=None) -> None:
     from vllm import SamplingParams
 
     one = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+    many = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True, detokenize=False)
     runs = itertools.count(500)
     llm.generate(shared_prefix(8, next(runs)), one, use_tqdm=False)  # warm-up
     if model is not None:
         sweep(model, shared_prefix(8, next(runs)))
-    for _ in range(repeats):
-        batch = shared_prefix(SWEEP, next(runs))
-        wall = timed(lambda batch=batch: llm.generate(batch, one, use_tqdm=False))
-        result(engine=name, job="prefix_plain", ms=round(1000 * wall, 1))
-        if model is not None:
+        steer_every_step(model, shared_prefix(8, next(runs)), 4, vector)
+    # one token each, and ``TOKENS`` each steered with one vector over every step
+    # (``steer_every_step``: its KV is shared by the requests making that edit)
+    jobs = (
+        ("prefix_plain", one, "prefix_sweep", lambda batch: sweep(model, batch)),
+        (
+            "prefix_plain128",
+            many,
+            "prefix_steer128",
+            lambda batch: steer_every_step(model, batch, TOKENS, vector),
+        ),
+    )
+    for plain_job, params, traced_job, traced in jobs:
+        for _ in range(repeats):
             batch = shared_prefix(SWEEP, next(runs))
-            result(
-                engine=name,
-                job="prefix_sweep",
-                ms=round(1000 * timed(lambda batch=batch: sweep(model, batch)), 1),
-            )
-    # the same prompts generating ``TOKENS`` each, plain and steered with one vector
-    # over every step (``steer_every_step``: its KV is shared by the requests making
-    # that edit, ``prefix.py``)
-    many = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True, detokenize=False)
-    if model is not None:
-        steer_every_step(model, shared_prefix(8, next(runs)), 4, vector)  # warm-up
-    for _ in range(repeats):
-        batch = shared_prefix(SWEEP, next(runs))
-        wall = timed(lambda batch=batch: llm.generate(batch, many, use_tqdm=False))
-        result(engine=name, job="prefix_plain128", ms=round(1000 * wall, 1))
-        if model is not None:
-            batch = shared_prefix(SWEEP, next(runs))
-            wall = timed(lambda batch=batch: steer_every_step(model, batch, TOKENS, vector))
-            result(engine=name, job="prefix_steer128", ms=round(1000 * wall, 1))
+            wall = timed(lambda batch=batch, params=params: llm.generate(batch, params, use_tqdm=False))
+            result(engine=name, job=plain_job, ms=round(1000 * wall, 1))
+            if model is not None:
+                batch = shared_prefix(SWEEP, next(runs))
+                wall = timed(lambda batch=batch, traced=traced: traced(batch))
+                result(engine=name, job=traced_job, ms=round(1000 * wall, 1))
     if model is not None:
         # the steered requests of one trace, sharing the steered prefix, against each
         # run alone with the cache emptied first (and against plain: the edit shows)
         big, short = 100 * vector, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
         batch = shared_prefix(8, next(runs))
         (before,) = llm.collective_rpc("nnsight_stats")
-        together = steer_every_step_tokens(model, batch, 16, big)
+        together = steer_and_draw(model, batch, 16, big)
         (after,) = llm.collective_rpc("nnsight_stats")
         alone = []
         for ids in batch:
             llm.reset_prefix_cache()
-            alone += steer_every_step_tokens(model, [ids], 16, big)
+            alone += steer_and_draw(model, [ids], 16, big)
         plain = [list(o.outputs[0].token_ids) for o in llm.generate(batch, short, use_tqdm=False)]
         result(
             engine=name,
@@ -618,20 +616,6 @@ def prefix_jobs(llm, name: str, repeats: int, model=None, vector=None) -> None:
             lowered_steer=stats["lowered_by"].get("steer", 0),
             python_blocks=stats.get("python_blocks"),
         )
-
-
-def steer_every_step_tokens(model, batch, tokens, vector) -> list[list[int]]:
-    """:func:`steer_every_step`, each request's tokens drawn (read at the sampler)."""
-    layer = model.model.layers[LAYER]
-    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
-        for ids in batch:
-            with tracer.invoke(ids):
-                drawn = list().save()
-                for _ in tracer.all():
-                    hidden = layer.output[0]
-                    hidden[:] += vector.to(hidden)
-                    drawn.append(model.samples.item())
-    return [list(d) for d in drawn] if len(batch) > 1 else [list(drawn)]
 
 
 def steer_every_step(model, batch, tokens, vector) -> None:
