@@ -635,3 +635,30 @@ def test_a_served_block_reading_last_rows_shares_the_prefix_cache(armed, client)
     first, second = last_row(), last_row()
     assert cached() - before >= 128
     assert tuple(first.shape) == (576,) and torch.equal(first, second)
+
+
+def test_served_requests_making_the_same_edit_share_its_kv(armed, client):
+    """The same-edit claim travels the same way; the server's front end salts the KV
+    with the block's bytes, which two traces sealed apart (each envelope with its
+    own nonce) share."""
+    prompt = " ".join(f"Line {i} of the served log repeats a steered prefix." for i in range(24))
+    vector = torch.ones(576)
+
+    def cached() -> int:
+        response = httpx.post(f"{armed.url}/collective_rpc", json={"method": "nnsight_stats"}, timeout=30)
+        return sum(int(stats["prompt_rows_cached"]) for stats in response.json()["results"])
+
+    def steered() -> list[int]:
+        with client.trace(prompt, temperature=0.0, max_tokens=3, serve=armed.url, key=KEY) as tracer:
+            drawn = list().save()
+            for _ in tracer.all():
+                hidden = client.model.layers[10].output[0]
+                hidden[:] += 4.0 * vector.to(hidden)
+                drawn.append(client.samples.item())
+        return list(drawn)
+
+    before = cached()
+    first = steered()
+    middle = cached()
+    assert middle == before  # the first computed its whole prompt: nothing under its salt yet
+    assert steered() == first and cached() - middle >= 128
