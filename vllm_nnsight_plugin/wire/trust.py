@@ -220,14 +220,17 @@ class NonceBook:
             directory = nonce_dir()
             if directory is None:
                 return True
-            if time.monotonic() - self._shared_pruned > _SHARED_PRUNE_S:  # off the caller's thread
-                self._shared_pruned = time.monotonic()
-                threading.Thread(target=_prune_shared, args=(directory, now), daemon=True).start()
             try:
-                return _claim_shared(directory, nonce, expires)
+                claimed = _claim_shared(directory, nonce, expires)
             except UntrustedBlockError:
                 del self._seen[nonce]  # not recorded, so not used: the same envelope may come again
                 raise
+            # Off the caller's thread, and only once this nonce's file has its expiry:
+            # a file just created still has the time of its creation.
+            if time.monotonic() - self._shared_pruned > _SHARED_PRUNE_S:
+                self._shared_pruned = time.monotonic()
+                threading.Thread(target=_prune_shared, args=(directory, now), daemon=True).start()
+            return claimed
 
 
 #: The environment variable naming the engine family's shared nonce directory.
