@@ -9,6 +9,7 @@ import pytest
 
 from vllm_nnsight_plugin.wire.envelope import (
     ENVELOPE_VERSION,
+    EXTRA_ARGS_KEY,
     EnvelopeError,
     Limits,
     open_envelope,
@@ -181,3 +182,19 @@ def test_a_refusal_is_small_and_echoes_nothing_of_the_input():
         trust.check_operator_signature(f"{body}.{'é' * 64}", key)
     with pytest.raises(trust.UntrustedBlockError):
         trust.check_local("nns2:abc", "é" * 64)
+
+
+def test_a_claim_of_any_type_is_that_request_s_error_not_the_worker_s():
+    """``extra_args`` come from the caller: a prefix claim that is not a string
+    (a list cannot be looked up) is no claim, and the request's bad envelope is
+    its own error."""
+    from types import SimpleNamespace
+
+    from vllm_nnsight_plugin.prefix import CLAIM_KEY, SAME_EDIT
+    from vllm_nnsight_plugin.worker import admit
+
+    requests = SimpleNamespace(requests={})
+    extra = {EXTRA_ARGS_KEY: "nns2:unsigned", CLAIM_KEY: [SAME_EDIT]}
+    data = SimpleNamespace(req_id="r", sampling_params=SimpleNamespace(extra_args=extra))
+    assert admit.admit(requests, admit.RequestIndex(), data, {}, Limits(), None) is None
+    assert requests.requests["r"].error is not None
