@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
-import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -259,27 +258,23 @@ def sign_vouched(processor: Any, extra: dict) -> None:
     extra[LOCAL_SIGNATURE_KEY] = local_signature(envelope)
 
 
-#: Salts of the blocks seen lately, by envelope: the invokes of a trace's loop
-#: share one envelope, decoded once.
-_SALTS: dict[str, str | None] = {}
-_SALTS_KEPT, _SALTS_CHARS = 64, 256 << 10
-
-
-_salts_lock = threading.Lock()
-
-
 def edit_salt_of(envelope: Any) -> str | None:
-    """The salt of a same-edit block's KV (``prefix.edit_salt``), or None."""
-    found = _SALTS.get(envelope) if isinstance(envelope, str) else None
-    if found is None:
-        payload, key = payload_of(envelope), local_key()
-        found = edit_salt(payload, key) if payload is not None and key else None
-        if found is not None and len(envelope) <= _SALTS_CHARS:
-            with _salts_lock:
-                _SALTS[envelope] = found
-                while len(_SALTS) > _SALTS_KEPT:
-                    _SALTS.pop(next(iter(_SALTS)))
-    return found
+    """The salt of a same-edit block's KV (``prefix.edit_salt``), or None. The
+    invokes of a trace's loop share one envelope: one up to ``_SALTS_CHARS`` long
+    is decoded once (:func:`_recent_salt`)."""
+    key = local_key()
+    if not isinstance(envelope, str) or not key:
+        return None
+    return (_recent_salt if len(envelope) <= _SALTS_CHARS else _salt)(envelope, key)
+
+
+def _salt(envelope: str, key: str) -> str | None:
+    payload = payload_of(envelope)
+    return None if payload is None else edit_salt(payload, key)
+
+
+_SALTS_CHARS = 256 << 10
+_recent_salt = functools.lru_cache(maxsize=64)(_salt)
 
 
 def edits_installed(engine: Any) -> bool:
