@@ -8,10 +8,21 @@ request passes through it (``seams.frontend``), which makes it the one place to:
 - decide which edits a request runs (``wire/edits.select``) and refuse a name
   nothing is installed under, before the request reaches the engine;
 - make that request compute its whole prompt and salt its KV blocks, so no
-  edited, or unseen, KV is shared with another request. Prefix caching stays on
-  for every other request, and for all of them once the edits are cleared;
+  edited, or unseen, KV is shared with another request, unless every edit it
+  runs lets it share (below). Prefix caching stays on for every other request,
+  and for all of them once the edits are cleared;
 - mark it (signed with the engine's local key) so the workers run its copies,
   and collect its saves when it finishes, as for a request carrying a block.
+
+An edit whose block reads only the last rows and writes nothing, or edits every
+row alike at every step (``prefix.py``; the workers read it at install, and
+their word is what the book keeps), does not stop its requests from sharing:
+the first kind adds nothing to a request's salt, the second a salt drawn for
+that install (:attr:`EditBook.kv`). Requests running the same installed edits
+then share their KV, and never with a request running another install of it,
+before or after. A request admitted before a clear and started after it runs
+without the edit and may read KV made with it, as a request the clear finds in
+flight keeps what the edit did to its earlier steps.
 
 Installing reaches the workers first and then the book, so no request is marked
 for an edit a worker lacks; clearing leaves the book first. Both are one
@@ -25,9 +36,11 @@ from __future__ import annotations
 
 import inspect
 import json
+import secrets
 from typing import Any
 
 from .errors import PluginError
+from .prefix import EDIT_SALT, LAST_ROWS, SAME_EDIT
 from .seams.frontend import engine_of, processor_of, rpc_every_engine
 from .settings import blocks_off
 from .wire import rpc
@@ -62,12 +75,16 @@ class NoEditError(EditError):
 
 class EditBook:
     """One front end's installed edits (id -> name, None when unnamed, in install
-    order) and the requests it marked for them that are not yet collected."""
+    order), the requests it marked for them that are not yet collected, and, for
+    an edit its requests may share KV under, what it adds to their salt (``kv``:
+    id -> "" for an edit that writes nothing, a salt of that install's own for
+    one that edits every row alike; absent: its requests are computed whole)."""
 
-    __slots__ = ("installed", "marked")
+    __slots__ = ("installed", "kv", "marked")
 
     def __init__(self) -> None:
         self.installed: dict[str, str | None] = {}
+        self.kv: dict[str, str] = {}
         self.marked: dict[str, None] = {}
 
     def mark(self, request_id: str) -> None:
@@ -127,7 +144,28 @@ def _install_args(edit_id: str, envelope: str, name: str | None) -> tuple:
 
 
 def _refused(replies: list) -> str | None:
-    return next((reply for reply in replies or () if reply), None)
+    return next((reply for reply in replies or () if isinstance(reply, str)), None)
+
+
+def _kv_part(replies: list) -> str | None:
+    """What the installed edit adds to its requests' salts (see :attr:`EditBook.kv`),
+    where every worker read its block alike; None: they are computed whole."""
+    claims = {reply.get("prefix") if isinstance(reply, dict) else None for reply in replies or ()}
+    claim = claims.pop() if len(claims) == 1 else None
+    if claim == LAST_ROWS:
+        return ""
+    if claim == SAME_EDIT:
+        return EDIT_SALT + secrets.token_hex(16)  # this install's, named nowhere else
+    return None
+
+
+def _booked(book: EditBook, edit_id: str, name: str | None, replies: list) -> None:
+    book.installed[edit_id] = name
+    part = _kv_part(replies)
+    if part is None:
+        book.kv.pop(edit_id, None)
+    else:
+        book.kv[edit_id] = part
 
 
 def _sync(result: Any) -> Any:
@@ -150,21 +188,23 @@ def install(engine: Any, edit_id: str, envelope: str, name: str | None = None) -
     """Install an edit (its block sealed in ``envelope``) on an ``LLM`` or ``LLMEngine``."""
     core = engine_of(engine)
     args = _install_args(edit_id, envelope, name)
-    refusal = _refused(_sync(core.collective_rpc(rpc.EDIT_INSTALL, args=args)))
+    replies = _sync(core.collective_rpc(rpc.EDIT_INSTALL, args=args))
+    refusal = _refused(replies)
     if refusal is not None:
         _sync(core.collective_rpc(rpc.EDIT_CLEAR, args=_clear_args([edit_id])))
         raise EditError(f"the edit could not be installed: {refusal}")
-    _book(core).installed[edit_id] = name
+    _booked(_book(core), edit_id, name, replies)
 
 
 async def ainstall(engine: Any, edit_id: str, envelope: str, name: str | None = None) -> None:
     """:func:`install`, on an ``AsyncLLM`` (awaited in its event loop)."""
     args = _install_args(edit_id, envelope, name)
-    refusal = _refused(await rpc_every_engine(engine, rpc.EDIT_INSTALL, args))
+    replies = await rpc_every_engine(engine, rpc.EDIT_INSTALL, args)
+    refusal = _refused(replies)
     if refusal is not None:
         await rpc_every_engine(engine, rpc.EDIT_CLEAR, _clear_args([edit_id]))
         raise EditError(f"the edit could not be installed: {refusal}")
-    _book(engine).installed[edit_id] = name
+    _booked(_book(engine), edit_id, name, replies)
 
 
 def _unbook(engine: Any, edit_ids: list[str] | None) -> None:
@@ -173,6 +213,7 @@ def _unbook(engine: Any, edit_ids: list[str] | None) -> None:
         return
     for edit_id in list(book.installed) if edit_ids is None else edit_ids:
         book.installed.pop(edit_id, None)
+        book.kv.pop(edit_id, None)
 
 
 def clear(engine: Any, edit_ids: list[str] | None = None) -> None:

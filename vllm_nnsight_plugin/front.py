@@ -16,11 +16,12 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
+import hashlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .edits import book_of, edits_to_run, installed_on
-from .prefix import CLAIM_KEY, LAST_ROWS, SAME_EDIT, edit_salt
+from .prefix import CLAIM_KEY, EDIT_SALT, LAST_ROWS, SAME_EDIT, edit_salt
 from .returns.outputs import (
     attach_collected,
     finished_for_workers,
@@ -86,24 +87,12 @@ class FrontEnd:
         params = copy.copy(params)
         params.extra_args = dict(extra or {})
         sign_vouched(processor, params.extra_args)
-        edited = mark_edits(processor, request_id, params)
-        if EXTRA_ARGS_KEY not in params.extra_args and not edited:
+        run = mark_edits(processor, request_id, params)
+        if EXTRA_ARGS_KEY not in params.extra_args and not run:
             # Runs no edit, carries no block: as the caller sent it (less any
             # trust key it should not have sent).
             return Admission(given if extra is None else params, None)
-        claim = None if edited else params.extra_args.get(CLAIM_KEY)
-        if claim == LAST_ROWS:
-            # Its blocks read only the last rows and write nothing (``prefix.py``;
-            # the worker checks): it shares the prefix cache as a plain request.
-            return Admission(params, None)
-        salt = edit_salt_of(params.extra_args[EXTRA_ARGS_KEY]) if claim == SAME_EDIT else None
-        if salt is not None:
-            # Its block edits every row alike at every step (the worker checks): it
-            # shares KV with the requests carrying the same block, and no other.
-            return Admission(params, salt, reads_cache=True)
-        # Computed whole, under a salt of its own: hooks see every prompt row, and
-        # its KV (traced, perhaps edited) is never another request's.
-        return Admission(params, f"vllm-nnsight:{request_id}")
+        return salted(params, request_id, own_kv(params.extra_args), edits_kv(processor, run))
 
     def added(self, engine: Any, request_id: str, params: Any) -> None:
         if carries_block(params) or took_mark(engine, request_id):
@@ -210,22 +199,65 @@ def taps_into_config(engine_args: Any) -> None:
         engine_args.additional_config = extra
 
 
-def mark_edits(processor: Any, request_id: str, params: Any) -> bool:
+def mark_edits(processor: Any, request_id: str, params: Any) -> list[str]:
     """Choose the installed edits this request runs and mark it for them (signed,
-    for the workers; booked, for the collect); whether it runs any. A choice that
-    is malformed or names nothing installed is refused here, as a bad request."""
+    for the workers; booked, for the collect); the ids of those it runs. A choice
+    that is malformed or names nothing installed is refused here, as a bad request."""
     try:
         run = edits_to_run(processor, params.extra_args)
     except EditChoiceError as error:
         raise refused(str(error)) from None
     if not run or not generates(params):  # edits run on generation only
-        return False
+        return []
     signed = mark(run)
     if signed is None:
-        return False
+        return []
     params.extra_args[MARK_KEY] = signed
     book_of(processor).mark(request_id)
-    return True
+    return run
+
+
+def own_kv(extra: dict) -> str | None:
+    """What a request's own block adds to the salt of its KV: "" for no block or
+    one that reads only the last rows and writes nothing, the block's salt for one
+    that edits every row alike at every step (``prefix.py``; the worker checks
+    either claim), None for any other (the request is computed whole)."""
+    if EXTRA_ARGS_KEY not in extra:
+        return ""
+    claim = extra.get(CLAIM_KEY)
+    if claim == LAST_ROWS:
+        return ""
+    return edit_salt_of(extra[EXTRA_ARGS_KEY]) if claim == SAME_EDIT else None
+
+
+def edits_kv(processor: Any, run: list[str]) -> list[str] | None:
+    """What the installed edits a request runs add to its salt, in the order they
+    run (``EditBook.kv``); None where one of them keeps its requests whole."""
+    if not run:
+        return []
+    kv = book_of(processor).kv
+    parts = [kv.get(edit_id) for edit_id in run]
+    return None if any(part is None for part in parts) else parts
+
+
+def salted(params: Any, request_id: str, own: str | None, edits: list[str] | None) -> Admission:
+    """How a request with a block or installed edits uses the prefix cache.
+
+    Where its block and every edit it runs write nothing and read only last rows, as
+    a plain request; where the writers among them each edit every row alike, under
+    a salt naming those writers in order, read as well as written; otherwise
+    computed whole, under a salt of its own: hooks see every prompt row, and its
+    KV (traced, perhaps edited) is never another request's.
+    """
+    if own is None or edits is None:
+        return Admission(params, f"vllm-nnsight:{request_id}")
+    writers = [part for part in (own, *edits) if part]
+    if not writers:
+        return Admission(params, None)
+    if len(writers) == 1:
+        return Admission(params, writers[0], reads_cache=True)
+    digest = hashlib.blake2b("\n".join(writers).encode("ascii"), digest_size=16, person=b"nnsight-salts")
+    return Admission(params, EDIT_SALT + digest.hexdigest(), reads_cache=True)
 
 
 def sign_vouched(processor: Any, extra: dict) -> None:

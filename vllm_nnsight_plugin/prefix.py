@@ -13,7 +13,8 @@ Such a request says so: the client reads each block of a trace before it goes
 request read and write the cache as a plain one does; the worker reads the
 block again at admission with the same function and, where the claim does not
 hold, fails the request before its block runs (so the KV it writes is a plain
-request's). A request that also runs installed edits keeps the old way.
+request's). Installed edits are read the same way, by the workers when each is
+installed (``worker/admit.edit_claim``, ``edits.py``).
 
 What qualifies, read from the source and the values the block captured: every
 module location it names is ``<module>.output[0][-1...]`` or

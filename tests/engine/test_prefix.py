@@ -6,6 +6,7 @@ claim its block does not bear out fails that request only."""
 
 from __future__ import annotations
 
+import nnsight
 import pytest
 import torch
 from vllm import SamplingParams
@@ -275,23 +276,97 @@ def test_a_same_edit_claim_its_block_does_not_bear_out_fails_every_request_carry
     assert smollm2_llm.collective_rpc("nnsight_tracked") == [0]
 
 
-def test_a_request_that_also_runs_an_installed_edit_keeps_its_kv_to_itself(smol, smollm2_llm):
+def test_a_request_that_also_runs_an_installed_edit_reading_every_row_keeps_its_kv_to_itself(
+    smol, smollm2_llm
+):
     """An installed edit (``model.edit()``) is part of what computes a request's KV,
-    and is not in its block: such a request computes its whole prompt under a salt
-    of its own, and once the edit is cleared the block's salt is back."""
+    and is not in its block: with one that reads every row, a request computes its
+    whole prompt under a salt of its own, and once the edit is cleared the block's
+    salt is back."""
     torch.manual_seed(2)
     vector = torch.randn(576)
     prompt = _prefix("edited log") + " The edited log ends with"
     first, _, _ = _steered(smol, smollm2_llm, prompt, vector)
     with smol.edit() as (tracer, edit):
-        stream = smol.model.layers[20].output[0][-1].clone().save()  # noqa: F841
+        stream = smol.model.layers[20].output[0].clone().save()  # noqa: F841 - every row
     try:
         edited, _, _ = _steered(smol, smollm2_llm, prompt, vector)
     finally:
         edit.clear()
     after, _, _ = _steered(smol, smollm2_llm, prompt, vector)
     assert first.num_cached_tokens == 0 and edited.num_cached_tokens == 0
-    assert "stream" in edited.saves and after.num_cached_tokens >= 128
+    assert edited.saves["stream"].shape[0] == len(edited.prompt_token_ids)
+    assert after.num_cached_tokens >= 128
+
+
+def test_requests_running_an_installed_edit_of_the_last_rows_share_with_plain_ones(smol, smollm2_llm):
+    """An installed edit that reads only last rows and writes nothing leaves its
+    requests' KV a plain request's: they read and write the cache as plain ones."""
+    prompt = _prefix("probed log") + " The probed log ends with"
+    plain = SamplingParams(temperature=0.0, max_tokens=3)
+    first = smollm2_llm.generate([prompt], plain, use_tqdm=False)[0]  # no edit yet: plain KV
+    with smol.edit() as (tracer, edit):
+        last = smol.model.layers[20].output[0][-1].clone().save()  # noqa: F841
+    try:
+        hit = smollm2_llm.generate([prompt], plain, use_tqdm=False)[0]
+        smollm2_llm.reset_prefix_cache()
+        cold = smollm2_llm.generate([prompt], plain, use_tqdm=False)[0]
+    finally:
+        edit.clear()
+    assert hit.num_cached_tokens >= 128 and cold.num_cached_tokens == 0
+    assert torch.equal(hit.saves["last"], cold.saves["last"])
+    assert (
+        list(hit.outputs[0].token_ids) == list(cold.outputs[0].token_ids) == list(first.outputs[0].token_ids)
+    )
+
+
+def test_requests_running_one_installed_steering_edit_share_its_kv_and_see_what_they_see_cold(
+    smol, smollm2_llm
+):
+    """An installed edit of every row at every step: its requests share the KV made
+    under it, with each other only (not a plain request, not the same edit
+    installed again after a clear), and a cache hit sees what a cold request sees.
+    A traced request making an edit of its own too shares with the requests making
+    both."""
+    torch.manual_seed(4)
+    vector = torch.randn(576)
+    prompt = _prefix("installed steer") + " The installed steer ends with"
+    plain = SamplingParams(temperature=0.0, max_tokens=4)
+
+    def install():
+        with smol.edit(name="steer") as (tracer, edit):
+            rows = nnsight.save([])  # noqa: F841 - read from the output
+            for _ in tracer.all():
+                hidden = smol.model.layers[10].output[0]
+                hidden[:] += 8.0 * vector.to(hidden)
+                rows.append(smol.model.layers[20].output[0][-1].clone())
+        return edit
+
+    edit = install()
+    try:
+        cold = smollm2_llm.generate([prompt], plain, use_tqdm=False)[0]
+        hit = smollm2_llm.generate([prompt], plain, use_tqdm=False)[0]
+        (free,) = smol.generate(prompt, temperature=0.0, max_tokens=4, edits=[])  # runs no edit
+        # (one tensor for both: a captured tensor's pickle names its storage's address)
+        opposite = -vector
+        both = [_steered(smol, smollm2_llm, prompt, opposite) for _ in range(2)]
+    finally:
+        edit.clear()
+    assert cold.num_cached_tokens == 0 and hit.num_cached_tokens >= 128
+    assert list(hit.outputs[0].token_ids) == list(cold.outputs[0].token_ids)
+    assert torch.equal(torch.stack(list(hit.saves["rows"])), torch.stack(list(cold.saves["rows"])))
+    assert free.num_cached_tokens == 0  # the steered KV is no plain request's
+    assert list(free.outputs[0].token_ids) != list(cold.outputs[0].token_ids)  # (the edit changes them)
+    # its own edit and the installed one: a salt of their own, shared by the second
+    assert both[0][0].num_cached_tokens == 0 and both[1][0].num_cached_tokens >= 128
+    assert both[1][1] == both[0][1] and torch.equal(both[1][2], both[0][2])
+    edit = install()  # the same block, installed again: KV of its own
+    try:
+        again = smollm2_llm.generate([prompt], plain, use_tqdm=False)[0]
+    finally:
+        edit.clear()
+    assert again.num_cached_tokens == 0
+    assert list(again.outputs[0].token_ids) == list(cold.outputs[0].token_ids)
 
 
 def test_invokes_of_one_trace_making_one_edit_share_its_prefix_and_see_what_they_see_cold(smol, smollm2_llm):

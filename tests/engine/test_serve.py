@@ -91,6 +91,12 @@ def assert_still_serving(server) -> None:
     assert response.json()["choices"][0]["text"].startswith(" Paris")
 
 
+def cached_rows(server) -> int:
+    """Prompt rows traced requests read from the prefix cache, over the server's workers."""
+    response = httpx.post(f"{server.url}/collective_rpc", json={"method": "nnsight_stats"}, timeout=30)
+    return sum(int(stats["prompt_rows_cached"]) for stats in response.json()["results"])
+
+
 def tracked(server) -> int:
     response = httpx.post(f"{server.url}/collective_rpc", json={"method": "nnsight_tracked"}, timeout=30)
     return sum(int(x) for x in response.json()["results"])
@@ -622,18 +628,14 @@ def test_a_served_block_reading_last_rows_shares_the_prefix_cache(armed, client)
     request read the cache, and its worker checks the block (``prefix.py``)."""
     prompt = " ".join(f"Entry {i} of the served ledger lists a cached prefix." for i in range(24))
 
-    def cached() -> int:
-        response = httpx.post(f"{armed.url}/collective_rpc", json={"method": "nnsight_stats"}, timeout=30)
-        return sum(int(stats["prompt_rows_cached"]) for stats in response.json()["results"])
-
     def last_row():
         with client.trace(prompt, temperature=0.0, max_tokens=1, serve=armed.url, key=KEY):
             row = client.model.layers[10].output[0][-1].clone().save()
         return row
 
-    before = cached()
+    before = cached_rows(armed)
     first, second = last_row(), last_row()
-    assert cached() - before >= 128
+    assert cached_rows(armed) - before >= 128
     assert tuple(first.shape) == (576,) and torch.equal(first, second)
 
 
@@ -644,10 +646,6 @@ def test_served_requests_making_the_same_edit_share_its_kv(armed, client):
     prompt = " ".join(f"Line {i} of the served log repeats a steered prefix." for i in range(24))
     vector = torch.ones(576)
 
-    def cached() -> int:
-        response = httpx.post(f"{armed.url}/collective_rpc", json={"method": "nnsight_stats"}, timeout=30)
-        return sum(int(stats["prompt_rows_cached"]) for stats in response.json()["results"])
-
     def steered() -> list[int]:
         with client.trace(prompt, temperature=0.0, max_tokens=3, serve=armed.url, key=KEY) as tracer:
             drawn = list().save()
@@ -657,8 +655,38 @@ def test_served_requests_making_the_same_edit_share_its_kv(armed, client):
                 drawn.append(client.samples.item())
         return list(drawn)
 
-    before = cached()
+    before = cached_rows(armed)
     first = steered()
-    middle = cached()
+    middle = cached_rows(armed)
     assert middle == before  # the first computed its whole prompt: nothing under its salt yet
-    assert steered() == first and cached() - middle >= 128
+    assert steered() == first and cached_rows(armed) - middle >= 128
+
+
+def test_served_requests_running_one_installed_steering_edit_share_its_kv(armed, client):
+    """An edit installed over HTTP that edits every row alike: the server's workers
+    read it at install, and the requests running it share the KV made under it
+    (each trace here reads only the logits, so its block adds nothing to the salt)."""
+    prompt = " ".join(f"Row {i} of the served ledger sits under an installed edit." for i in range(24))
+    vector = torch.ones(576)
+
+    def first_token() -> int:
+        with client.trace(prompt, temperature=0.0, max_tokens=2, serve=armed.url, key=KEY):
+            token = client.logits.argmax(-1).save()
+        return int(token)
+
+    unsteered = first_token()
+    with client.edit(serve=armed.url, key=KEY, name="steer") as (tracer, steer):
+        for _ in tracer.all():
+            hidden = client.model.layers[10].output[0]
+            hidden[:] += 8.0 * vector.to(hidden)
+    try:
+        before = cached_rows(armed)
+        first = first_token()
+        middle = cached_rows(armed)
+        second = first_token()
+        after = cached_rows(armed)
+    finally:
+        steer.clear()
+    assert middle == before and after - middle >= 128  # the second read the first's steered KV
+    assert first == second != unsteered
+    assert first_token() == unsteered and cached_rows(armed) - after >= 128  # plain KV again

@@ -83,6 +83,62 @@ def test_a_block_that_edits_every_row_alike_shares_kv_with_the_same_block_only()
     assert unclaimed.salt == "vllm-nnsight:r9" and not unclaimed.reads_cache
 
 
+def _with_edits(kv: dict[str, str]) -> SimpleNamespace:
+    """An input processor whose book holds edits ``a`` (unnamed) and ``b`` (named
+    "b"), with what each adds to a salt (absent: its requests are computed whole)."""
+    from vllm_nnsight_plugin.edits import BOOK_ATTR, EditBook
+
+    book = EditBook()
+    book.installed.update({"a": None, "b": "b"})
+    book.kv.update(kv)
+    processor = SimpleNamespace(vllm_config=PROCESSOR.vllm_config)
+    setattr(processor, BOOK_ATTR, book)
+    return processor
+
+
+def test_installed_edits_share_kv_where_each_lets_them_and_salt_it_by_their_installs():
+    from vllm_nnsight_plugin.wire.trust import EDITS_KEY, MARK_KEY
+
+    ensure_local_key()
+    steer_a, steer_b = EDIT_SALT + "a" * 32, EDIT_SALT + "b" * 32
+
+    def plain(processor, **extra):
+        return FrontEnd().admit(processor, "r", SamplingParams(max_tokens=2, extra_args=extra or None))
+
+    # both write nothing: as a plain request (marked, unsalted)
+    admitted = plain(_with_edits({"a": "", "b": ""}))
+    assert admitted.salt is None and MARK_KEY in admitted.params.extra_args
+    # one writer: its install's salt; two: one salt of both, in the order they run
+    assert plain(_with_edits({"a": steer_a, "b": ""})).salt == steer_a
+    both = plain(_with_edits({"a": steer_a, "b": steer_b}))
+    assert both.reads_cache and both.salt.startswith(EDIT_SALT) and both.salt not in (steer_a, steer_b)
+    assert plain(_with_edits({"a": steer_b, "b": steer_a})).salt != both.salt
+    assert plain(_with_edits({"a": steer_a, "b": steer_b}), **{EDITS_KEY: []}).salt == steer_a  # b not run
+    # an edit that keeps its requests whole, or a block that does: a salt of the request's own
+    assert plain(_with_edits({"a": steer_a})).salt == "vllm-nnsight:r"
+    whole = FrontEnd().admit(_with_edits({"a": "", "b": ""}), "r", vouched())
+    assert whole.salt == "vllm-nnsight:r" and not whole.reads_cache
+    # a block that edits alike, with them: its salt joins theirs
+    block = _sealed(b"steering block")
+    own = FrontEnd().admit(PROCESSOR, "r", vouched(block, **{CLAIM_KEY: SAME_EDIT})).salt
+    joined = FrontEnd().admit(
+        _with_edits({"a": steer_a, "b": ""}), "r", vouched(block, **{CLAIM_KEY: SAME_EDIT})
+    )
+    assert joined.reads_cache and joined.salt not in (own, steer_a, both.salt)
+    reader = FrontEnd().admit(_with_edits({"a": steer_a, "b": ""}), "r", vouched(**{CLAIM_KEY: LAST_ROWS}))
+    assert reader.salt == steer_a and reader.reads_cache
+
+
+def test_what_an_installed_edit_adds_to_salts_is_the_workers_common_word():
+    from vllm_nnsight_plugin.edits import _kv_part
+
+    assert _kv_part([{"prefix": LAST_ROWS}, {"prefix": LAST_ROWS}]) == ""
+    drawn = {_kv_part([{"prefix": SAME_EDIT}]) for _ in range(3)}
+    assert len(drawn) == 3 and all(part.startswith(EDIT_SALT) for part in drawn)  # one per install
+    for replies in ([{"prefix": LAST_ROWS}, {"prefix": SAME_EDIT}], [{"prefix": None}], [None], [], ["no"]):
+        assert _kv_part(replies) is None
+
+
 def test_an_envelope_without_a_payload_has_none():
     assert payload_of("nns2:not base64!") is None and payload_of("other") is None and payload_of(3) is None
     signed = _sealed(b"block", key="k" * 32)

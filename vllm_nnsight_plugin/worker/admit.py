@@ -140,6 +140,15 @@ def _bears_out(claim: str, mediator: Any, model: Any, digest: bytes) -> bool:
     return found
 
 
+def edit_claim(mediator: Any, model: Any, block: bytes) -> str | None:
+    """What an installed edit's block lets its requests do with the prefix cache:
+    the first claim it bears out (reads only the last rows, then the same edit of
+    every row at every step), or None (they are computed whole). Read here, at
+    install, by the worker that will run it: no one else's word is taken."""
+    digest = hashlib.blake2b(block, digest_size=32).digest()
+    return next((claim for claim in _TESTS if _bears_out(claim, mediator, model, digest)), None)
+
+
 def request_for(requests: Any, index: RequestIndex, request_id: str) -> Any:
     """The tracked request of this id, tracked from now on if it was not."""
     request = requests.requests.get(request_id)

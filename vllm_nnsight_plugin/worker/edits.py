@@ -19,18 +19,22 @@ from ..wire.edits import MARK_KEY, read_mark
 from ..wire.envelope import Limits, open_envelope
 from ..wire.trust import check_local
 from . import _nnsight as nns
-from .admit import RequestIndex, read, request_for
+from .admit import RequestIndex, edit_claim, read, request_for
 
 #: The most edits one engine holds at once: each runs on every request it marks.
 MAX_EDITS = 64
 
 
-def install_on(runtime: Any, edit_id: str, envelope: str, signature: str, name: str | None) -> str | None:
-    """Install an edit on a worker's runtime; None, or why not (for the front end,
-    which raises it for the caller)."""
+def install_on(
+    runtime: Any, edit_id: str, envelope: str, signature: str, name: str | None
+) -> str | dict[str, str | None]:
+    """Install an edit on a worker's runtime. The answer, for the front end: why
+    not (a string, which it raises for the caller), or what the edit's requests
+    may do with the prefix cache (``{"prefix": claim or None}``, see
+    ``admit.edit_claim``)."""
     try:
         runtime.ensure_built()
-        install(
+        claim = install(
             runtime.requests,
             edit_id,
             envelope,
@@ -42,7 +46,7 @@ def install_on(runtime: Any, edit_id: str, envelope: str, signature: str, name: 
         )
     except Exception as error:
         return f"{type(error).__name__}: {error}"
-    return None
+    return {"prefix": claim}
 
 
 def install(
@@ -54,9 +58,9 @@ def install(
     persistent: dict,
     limits: Limits,
     model: Any,
-) -> None:
+) -> str | None:
     """Check an edit's envelope and keep its block as a template; raises what the
-    checks raise."""
+    checks raise. Returns the prefix claim the block bears out (``edit_claim``)."""
     if edit_id not in requests.templates and len(requests.templates) >= MAX_EDITS:
         raise ValueError(f"this engine already holds {MAX_EDITS} edits; clear some first.")
     check_local(envelope, signature)
@@ -67,10 +71,12 @@ def install(
         limits=limits,
         expiry=False,
     )
-    template = nns.load_block(opened.block_bytes(), persistent)
+    block = opened.block_bytes()
+    template = nns.load_block(block, persistent)
     read(template, model)
     requests.templates[edit_id] = template
     requests.names[edit_id] = name
+    return edit_claim(template, model, block)
 
 
 def clear(requests: Any, edit_ids: list[str] | None) -> list[str]:

@@ -104,7 +104,7 @@ class NNsightWorkerExtension(metaclass=_OwnNames):
     # strings, which are refused, and could not sign an envelope anyway.
     def nnsight_edit_install(
         self, edit_id: str, envelope: bytes, signature: bytes, name: str | None = None
-    ) -> str | None:
+    ) -> str | dict[str, str | None]:
         if not (
             isinstance(edit_id, str)
             and isinstance(envelope, bytes)
