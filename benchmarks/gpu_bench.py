@@ -555,7 +555,8 @@ def prefix_jobs(llm, name: str, repeats: int, model=None, vector=None) -> None:
     layer's last row (``prefix_sweep``), which shares the prefix cache as the plain
     requests do (``prefix.py``); then the same prompts generating ``TOKENS`` each,
     plain (``prefix_plain128``) and steered with ``vector`` at every step
-    (``prefix_steer128``); ``prefix_check``: eight such steered requests in one
+    (``prefix_steer128``), and the same steering installed on the engine with
+    stock calls (``prefix_edit128``); ``prefix_check``: eight such steered requests in one
     trace against each alone on an emptied cache; ``prefix_path``: the prompt rows
     the cache gave traced requests."""
     from vllm import SamplingParams
@@ -588,6 +589,22 @@ def prefix_jobs(llm, name: str, repeats: int, model=None, vector=None) -> None:
                 wall = timed(lambda batch=batch, traced=traced: traced(batch))
                 result(engine=name, job=traced_job, ms=round(1000 * wall, 1))
     if model is not None:
+        # the same steering installed on the engine (``model.edit()``), the requests
+        # stock calls: the edit lets its requests share the KV made under it
+        for _ in range(repeats):
+            batch = shared_prefix(SWEEP, next(runs))
+            edit = install_steering(model, vector)
+            outputs: list = []
+            try:
+                wall = timed(
+                    lambda batch=batch, outputs=outputs: outputs.extend(
+                        llm.generate(batch, many, use_tqdm=False)
+                    )
+                )
+            finally:
+                edit.clear()
+            cached = sum(output.num_cached_tokens or 0 for output in outputs)
+            result(engine=name, job="prefix_edit128", ms=round(1000 * wall, 1), cached_tokens=cached)
         # the steered requests of one trace, sharing the steered prefix, against each
         # run alone with the cache emptied first (and against plain: the edit shows)
         big, short = 100 * vector, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -628,6 +645,16 @@ def steer_every_step(model, batch, tokens, vector) -> None:
                 for _ in tracer.all():
                     hidden = layer.output[0]
                     hidden[:] += vector.to(hidden)
+
+
+def install_steering(model, vector):
+    """The steering page's loop installed on the engine: every request steered."""
+    layer = model.model.layers[LAYER]
+    with model.edit() as (tracer, edit):
+        for _ in tracer.all():
+            hidden = layer.output[0]
+            hidden[:] += vector.to(hidden)
+    return edit
 
 
 def trace1(model, ids):
@@ -1228,6 +1255,7 @@ def table(*paths: Path) -> str:
     forward = median.get(("off-graphs", "forward"))
     swept = median.get(("off-graphs", "plain_sweep"))
     prefixed = median.get(("off-graphs", "prefix_plain"))
+    prefixed128 = median.get(("off-graphs", "prefix_plain128"))
     lines = [
         "| engine | job | median | runs | vs plain vLLM (graphs) |",
         "| --- | --- | ---: | ---: | ---: |",
@@ -1247,6 +1275,8 @@ def table(*paths: Path) -> str:
             ratio = f"{median[(engine, job)] / swept:.2f}x plain time" if swept else ""
         elif job in ("prefix_plain", "prefix_sweep"):
             ratio = f"{median[(engine, job)] / prefixed:.2f}x plain time" if prefixed else ""
+        elif job in ("prefix_plain128", "prefix_steer128", "prefix_edit128") and prefixed128:
+            ratio = f"{median[(engine, job)] / prefixed128:.2f}x plain time"
         elif unit == "tok/s" and ref:
             ratio = f"{median[(engine, job)] / ref:.3f}"
         else:
