@@ -34,10 +34,12 @@ tap, e.g. ``model.layers.*.output`` for every layer (the jobs still use ``LAYER`
 (``at_taps``: the blocks that run as Python at the taps alone; ``prefix``: 1,024
 prompts sharing a 512-token prefix, plain on every engine and, on the tapped
 one, a sweep keeping one layer's last row, which shares the prefix cache; ``paired``:
-steering 64 and 256, the docs' loop and a direction removed, each right after a
-plain run of its size on the same engine, and a plain one-token call, a one-token
-trace and the lens in turn, ``--repeats`` rounds: ratios that a drift of the
-machine between runs moves on both sides).
+issue 27's table, each job right after a plain run of its size on the same engine
+(steering 64 and 256, the docs' loop, a direction removed and clamped, capture
+1,000, patching, the last-row sweep of 1,024 unique prompts and, with every layer
+tapped, the probe), and a plain one-token call, a one-token trace and the lens in
+turn, ``--repeats`` rounds: ratios that a drift of the machine between runs moves
+on both sides).
 ``GPU_BENCH_REAL=1`` loads real weights (e.g. SmolLM2) instead of dummy ones;
 ``GPU_BENCH_SMALL=1`` shrinks everything for a dry run of the script on a CPU.
 
@@ -922,30 +924,49 @@ def paired_jobs(model, llm, name: str, repeats: int, few: list, params, path: st
     cpu_vector = vector.float().cpu()
     u = vector / vector.norm()
     one = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+    short = SamplingParams(temperature=0.0, max_tokens=SHORT, ignore_eos=True, detokenize=False)
+    layers = layer_count(path)
+    rows = clean_rows(model, few[0])
     steer(model, few[:4], 8, vector)  # warm-up: builds the worker's tree
     project(model, few[:4], 8, remove(u))
+    patch(model, few[:4], 4, rows)
     lens(model, few[0])
+    sweep(model, fresh_prompts(8, 20))
+    # job: (requests, its block, the plain run's params, tokens each: None, a time)
     jobs = {
-        "steer": (CONCURRENT, lambda batch: steer(model, batch, TOKENS, vector)),
+        "steer": (CONCURRENT, lambda batch: steer(model, batch, TOKENS, vector), params, TOKENS),
         "steer_docs": (
             CONCURRENT,
             lambda batch: steer_as_the_docs_write_it(model, batch, TOKENS, cpu_vector),
+            params,
+            TOKENS,
         ),
-        "remove": (CONCURRENT, lambda batch: project(model, batch, TOKENS, remove(u))),
-        "steer256": (WIDE, lambda batch: steer(model, batch, TOKENS, vector)),
+        "remove": (CONCURRENT, lambda batch: project(model, batch, TOKENS, remove(u)), params, TOKENS),
+        "clamp": (
+            CONCURRENT,
+            lambda batch: project(model, batch, TOKENS, clamp(u, least=0.5)),
+            params,
+            TOKENS,
+        ),
+        "steer256": (WIDE, lambda batch: steer(model, batch, TOKENS, vector), params, TOKENS),
+        "capture1000": (MANY, lambda batch: capture(model, batch, TOKENS), params, TOKENS),
+        "patch": (CONCURRENT, lambda batch: patch(model, batch, SHORT, rows), short, SHORT),
+        "sweep": (SWEEP, lambda batch: sweep(model, batch), one, None),
     }
+    if every_layer_tapped():
+        probe_rows(model, few[:4], 8, layers)
+        jobs["probe"] = (CONCURRENT, lambda batch: probe_rows(model, batch, TOKENS, layers), params, TOKENS)
     for _ in range(repeats):
-        for job, (n, run) in jobs.items():
+        for job, (n, run, plain_params, tokens) in jobs.items():
             plain_batch, batch = unique(n), unique(n)
-            plain_s = timed(lambda b=plain_batch: llm.generate(b, params, use_tqdm=False))
+            plain_s = timed(lambda b=plain_batch, p=plain_params: llm.generate(b, p, use_tqdm=False))
             job_s = timed(lambda b=batch, run=run: run(b))
-            result(
-                engine=name,
-                job=f"{job}_pair",
-                plain_tok_s=round(n * TOKENS / plain_s, 1),
-                tok_s=round(n * TOKENS / job_s, 1),
-                ratio=round(plain_s / job_s, 4),
+            rates = (
+                {"plain_ms": round(1000 * plain_s, 1), "ms": round(1000 * job_s, 1)}
+                if tokens is None
+                else {"plain_tok_s": round(n * tokens / plain_s, 1), "tok_s": round(n * tokens / job_s, 1)}
             )
+            result(engine=name, job=f"{job}_pair", **rates, ratio=round(plain_s / job_s, 4))
         # latency: a plain one-token call, a one-token trace saving the logits, the lens
         walls = {"forward": [], "trace1": [], "lens": []}
         for p, q, r in zip(unique(10), unique(10), unique(10)):
