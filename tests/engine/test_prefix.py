@@ -347,9 +347,8 @@ def test_requests_running_one_installed_steering_edit_share_its_kv_and_see_what_
         cold = smollm2_llm.generate([prompt], plain, use_tqdm=False)[0]
         hit = smollm2_llm.generate([prompt], plain, use_tqdm=False)[0]
         (free,) = smol.generate(prompt, temperature=0.0, max_tokens=4, edits=[])  # runs no edit
-        # (one tensor for both: a captured tensor's pickle names its storage's address)
-        opposite = -vector
-        both = [_steered(smol, smollm2_llm, prompt, opposite) for _ in range(2)]
+        # (a tensor of its own each time: equal values pickle alike, ``wire/canonical.py``)
+        both = [_steered(smol, smollm2_llm, prompt, -vector) for _ in range(2)]
     finally:
         edit.clear()
     assert cold.num_cached_tokens == 0 and hit.num_cached_tokens >= 128

@@ -163,12 +163,12 @@ def test_a_traces_invokes_share_a_pickle_only_where_their_own_would_be_the_same(
 
     client, _ = trees
     client_nns.reduce_once()
-    memoized, original = nnsight_vllm.dumps, client_nns.ORIGINALS["dumps"]
+    memoized = nnsight_vllm.dumps
     made: list[tuple[bytes, bytes]] = []
 
     def recording(mediator):
         data = memoized(mediator)
-        made.append((data, original(mediator)))  # nnsight's own, in the same attach
+        made.append((data, client_nns.canonical_dumps(mediator)))  # its own pickle, in the same attach
         return data
 
     monkeypatch.setattr(nnsight_vllm, "dumps", recording)
@@ -195,6 +195,33 @@ def test_a_traces_invokes_share_a_pickle_only_where_their_own_would_be_the_same(
                 client.model.layers[3].output[0][:] += vector
     signed = [params.extra_args["nnsight"] for params in tracer.prepared.params]
     assert signed[0] != signed[1]  # a signed envelope is good once: each has its own nonce
+
+
+def test_equal_captured_tensors_pickle_alike_and_load_as_they_were(trees):
+    """torch names a pickled storage by its address; the client's pickle names it by
+    value, so two blocks capturing equal vectors that are different objects have the
+    same bytes (and the same salt, ``prefix.py``), and torch loads them unchanged."""
+    import pickle
+
+    import nnsight.modeling.vllm.vllm as nnsight_vllm
+
+    from vllm_nnsight_plugin.wire.envelope import payload_of
+
+    client, _ = trees
+    client_nns.reduce_once()
+    torch.manual_seed(0)
+    vector = torch.randn(576)
+    payloads = []
+    for copy in (vector.clone(), vector.clone(), vector + 1):
+        with client.requests(temperature=0.0, max_tokens=2) as tracer:
+            with tracer.invoke("The capital of France is"):
+                client.model.layers[3].output[0][:] += copy
+        payloads.append(payload_of(tracer.prepared.params[0].extra_args["nnsight"]))
+    assert payloads[0] == payloads[1] != payloads[2]  # (the envelopes differ: a time, a nonce)
+    storage = vector._typed_storage()  # torch's own pickle names the storage's address
+    assert str(storage._cdata).encode() in storage.__reduce__()[1][0]
+    assert pickle.loads(client_nns.canonical_dumps(vector)).equal(vector)
+    assert nnsight_vllm.dumps is not client_nns.ORIGINALS["dumps"]
 
 
 def test_a_captured_view_of_a_larger_tensor_travels_as_a_copy_of_its_own():

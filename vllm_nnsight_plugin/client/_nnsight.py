@@ -17,6 +17,11 @@ the same captured values. :func:`reduce_once` installs two memos:
   steering vector on a GPU is then copied to the host once per trace, not once
   per request.
 
+A captured tensor is pickled with its storage's bytes renamed as a function of its
+value (``wire/canonical.py``): torch names a storage by its address, and equal
+vectors that are different objects would give different bytes, so requests making
+the same edit would not share its KV (``prefix.py``).
+
 The reduction also sends each captured view of a larger tensor as a copy of its own
 (:func:`compacted`): a row taken from a saved ``[tokens, hidden]`` activation
 (``hidden_row = clean[position]``, activation patching) would otherwise carry its
@@ -32,6 +37,7 @@ import ast
 import contextlib
 import contextvars
 import functools
+import io
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -44,6 +50,8 @@ from nnsight.intervention.interleaver import Mediator
 from nnsight.intervention.tracer import InterleavingTracer  # noqa: F401 - the client's name for it (model.py)
 from nnsight.tracing.tracer import Tracer
 
+from ..wire.canonical import canonical_storage
+
 #: ``(module, attribute)`` of every private nnsight name used here, checked by
 #: ``tests/unit/test_nnsight_seams.py``.
 TOUCHES: tuple[tuple[str, str], ...] = (
@@ -52,6 +60,8 @@ TOUCHES: tuple[tuple[str, str], ...] = (
     ("nnsight.intervention.serialization", "_referenced_names"),
     ("nnsight.intervention.serialization", "_function_referenced_names"),
     ("nnsight.modeling.vllm.vllm", "dumps"),
+    ("nnsight.intervention.serialization", "CustomCloudPickler"),
+    ("nnsight.intervention.serialization", "DEFAULT_PROTOCOL"),
     ("nnsight.intervention.interleaver", "Mediator.__getstate__"),
     ("nnsight.tracing.tracer", "_saves"),
 )
@@ -313,6 +323,25 @@ def _dumps_memo(original: Any) -> Any:
     return dumps
 
 
+class _CanonicalPickler(serialization.CustomCloudPickler):
+    """nnsight's pickler, with each storage's bytes named by value (module docstring)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.storage.TypedStorage | torch.UntypedStorage):
+            rebuild, args = obj.__reduce__()
+            if rebuild is torch.storage._load_from_bytes and len(args) == 1:
+                return rebuild, (canonical_storage(args[0]),)
+            return rebuild, args
+        return super().reducer_override(obj)
+
+
+def canonical_dumps(obj: Any, protocol: int = serialization.DEFAULT_PROTOCOL) -> bytes:
+    """``serialization.dumps`` with :class:`_CanonicalPickler`."""
+    buffer = io.BytesIO()
+    _CanonicalPickler(buffer, protocol=protocol).dump(obj)
+    return buffer.getvalue()
+
+
 #: nnsight's own functions, as they were before :func:`reduce_once` (for tests).
 ORIGINALS: dict[str, Any] = {}
 
@@ -327,7 +356,7 @@ def reduce_once() -> None:
     serialization._referenced_names = _names_memo(serialization._referenced_names)
     serialization._function_referenced_names = _names_memo(serialization._function_referenced_names)
     serialization.reduce_block = _reduce_block
-    nnsight_vllm.dumps = _dumps_memo(nnsight_vllm.dumps)
+    nnsight_vllm.dumps = _dumps_memo(canonical_dumps)
     setattr(serialization, _INSTALLED, True)
 
 

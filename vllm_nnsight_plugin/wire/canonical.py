@@ -1,0 +1,68 @@
+"""A captured tensor's bytes as a function of its value alone.
+
+A block's bytes salt the KV of the requests that make the same edit (``prefix.py``):
+the same bytes, the same edit. A tensor the block captured is pickled by torch as
+a legacy ``torch.save`` of its storage, which names the storage by its address in
+this process (``str(storage._cdata)``). Two traces steering with equal vectors that
+are not the same object (``-vector`` written in each, a vector loaded again, or
+another client's process) would then send different bytes and share nothing.
+
+:func:`canonical_storage` renames those keys ``0``, ``1``, ... in the order the save
+lists them; nothing else changes, and torch reads the result exactly as the
+original (the keys only pair each storage's record with its data). Anything that
+is not the layout expected is returned as it came: a request then shares less,
+never wrongly.
+
+Nothing here imports nnsight or unpickles: it walks the pickles' opcodes.
+"""
+
+from __future__ import annotations
+
+import io
+import pickletools
+import struct
+
+#: A legacy save is five pickles (torch's magic number, its protocol version, the
+#: saving system's sizes, the object with its storages as persistent ids, the
+#: storages' keys), then each storage's data.
+_PICKLES = 5
+_OBJECT, _KEYS = 3, 4
+_STRINGS = frozenset({"BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8", "UNICODE"})
+
+
+def canonical_storage(blob: bytes) -> bytes:
+    """``blob`` (torch's legacy save of a storage) with its storage keys renamed in
+    order; ``blob`` itself where it is not laid out as expected."""
+    try:
+        return _renamed(blob)
+    except Exception:  # noqa: BLE001 - any doubt: the bytes as they came
+        return blob
+
+
+def _renamed(blob: bytes) -> bytes:
+    stream = io.BytesIO(blob)
+    pickles = []
+    for _ in range(_PICKLES):
+        start = stream.tell()
+        ops = [(op.name, arg, pos) for op, arg, pos in pickletools.genops(stream)]
+        pickles.append((start, stream.tell(), ops))
+    keys = [arg for name, arg, _ in pickles[_KEYS][2] if name in _STRINGS]
+    names = {key: str(number) for number, key in enumerate(keys)}
+    if len(names) != len(keys) or not keys:
+        return blob
+    found = [arg for name, arg, _ in pickles[_OBJECT][2] if name in _STRINGS and arg in names]
+    if set(found) != set(names):  # a key the object does not name: not the layout expected
+        return blob
+    out = io.BytesIO()
+    out.write(blob[: pickles[_OBJECT][0]])
+    for index in (_OBJECT, _KEYS):
+        start, end, ops = pickles[index]
+        bounds = [pos for _, _, pos in ops] + [end]
+        for (name, arg, pos), following in zip(ops, bounds[1:], strict=True):
+            if name in _STRINGS and arg in names:
+                text = names[arg].encode("utf-8")
+                out.write(b"X" + struct.pack("<I", len(text)) + text)
+            else:
+                out.write(blob[pos:following])
+    out.write(blob[pickles[_KEYS][1] :])
+    return out.getvalue()
