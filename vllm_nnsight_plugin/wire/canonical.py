@@ -39,13 +39,21 @@ def canonical_storage(blob: bytes) -> bytes:
         return blob
 
 
+#: The first three pickles, the same in every save of this process (learned from the
+#: first): a save that starts with them is read from its fourth.
+_head: list[bytes] = []
+
+
 def _renamed(blob: bytes) -> bytes:
     stream = io.BytesIO(blob)
-    pickles = []
-    for _ in range(_PICKLES):
+    pickles: list = [None] * _OBJECT if _head and blob.startswith(_head[0]) else []
+    stream.seek(len(_head[0]) if pickles else 0)
+    while len(pickles) < _PICKLES:
         start = stream.tell()
         ops = [(op.name, arg, pos) for op, arg, pos in pickletools.genops(stream)]
         pickles.append((start, stream.tell(), ops))
+    if not _head:
+        _head.append(blob[: pickles[_OBJECT][0]])
     keys = [arg for name, arg, _ in pickles[_KEYS][2] if name in _STRINGS]
     names = {key: str(number) for number, key in enumerate(keys)}
     if len(names) != len(keys) or not keys:
