@@ -93,6 +93,36 @@ def test_a_steering_edit_is_lowered_and_steers_as_the_python_path(smol, smollm2_
     assert got.outputs[0].logprobs[0] != plain.outputs[0].logprobs[0]  # it steered
 
 
+def test_a_steering_edit_on_plain_requests_is_lowered_and_steers_as_the_python_path(smol, smollm2_llm):
+    """A stock call with no block: its copy of the edit is the one block that needs
+    the forward, so it is lowered (the batch stays in the graphs on a GPU). Its
+    twin runs a second edit reading a location that is no tap: two blocks then
+    need the forward, and both run as Python."""
+    from vllm import SamplingParams
+
+    vector = torch.zeros(576)
+    vector[11] = 30.0
+    params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=3)
+    (plain,) = smollm2_llm.generate([PROMPT], params, use_tqdm=False)
+    with smol.edit(name="push") as (tracer, edit):
+        for _ in tracer.all():
+            hidden = smol.model.layers[10].output[0]
+            hidden[:] += vector.to(hidden)
+    before = stats(smollm2_llm)["lowered_by"]["steer"]
+    (got,) = smollm2_llm.generate([PROMPT], params, use_tqdm=False)
+    assert stats(smollm2_llm)["lowered_by"]["steer"] - before == 1
+    with smol.edit() as (tracer, reader):
+        smol.model.layers[3].output[0].clone()  # no tap
+    (want,) = smollm2_llm.generate([PROMPT], params, use_tqdm=False)
+    assert got.nnsight_path["lowered"] is True and got.nnsight_path["form"] == "steer"
+    assert want.nnsight_path["lowered"] is False
+    assert list(got.outputs[0].token_ids) == list(want.outputs[0].token_ids)
+    for a, b in zip(got.outputs[0].logprobs, want.outputs[0].logprobs, strict=True):
+        assert {t: p.logprob for t, p in a.items()} == {t: p.logprob for t, p in b.items()}
+    assert got.outputs[0].logprobs[0] != plain.outputs[0].logprobs[0]  # it steered
+    assert smollm2_llm.collective_rpc("nnsight_tracked") == [0]
+
+
 def test_an_edit_that_only_reads_is_served_at_the_sampler(smol, smollm2_llm):
     with smol.edit(name="probe") as (tracer, probe):
         norms = list().save()

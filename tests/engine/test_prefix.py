@@ -345,13 +345,16 @@ def test_requests_running_one_installed_steering_edit_share_its_kv_and_see_what_
     edit = install()
     try:
         cold = smollm2_llm.generate([prompt], plain, use_tqdm=False)[0]
+        (before,) = smollm2_llm.collective_rpc("nnsight_stats")
         hit = smollm2_llm.generate([prompt], plain, use_tqdm=False)[0]
+        (after,) = smollm2_llm.collective_rpc("nnsight_stats")
         (free,) = smol.generate(prompt, temperature=0.0, max_tokens=4, edits=[])  # runs no edit
         # (a tensor of its own each time: equal values pickle alike, ``wire/canonical.py``)
         both = [_steered(smol, smollm2_llm, prompt, -vector) for _ in range(2)]
     finally:
         edit.clear()
     assert cold.num_cached_tokens == 0 and hit.num_cached_tokens >= 128
+    assert after["prompt_rows_cached"] - before["prompt_rows_cached"] == hit.num_cached_tokens
     assert list(hit.outputs[0].token_ids) == list(cold.outputs[0].token_ids)
     assert torch.equal(torch.stack(list(hit.saves["rows"])), torch.stack(list(cold.saves["rows"])))
     assert free.num_cached_tokens == 0  # the steered KV is no plain request's

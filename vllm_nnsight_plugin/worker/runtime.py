@@ -51,6 +51,7 @@ from ..taps.replay import FIRST, HANDED, PAIR, served
 from ..taps.spec import RUNNER_ATTR
 from ..wire.envelope import Limits
 from ..wire.references import envoy_references
+from ..wire.reply import request_reply
 from . import _nnsight as nns
 from .admit import RequestIndex, admit
 from .batching import CheckedBatcher
@@ -97,7 +98,8 @@ class WorkerRuntime:
         self.resumed = self.preempted = 0  # requests resumed after a preemption; blocks it ended
         self.recomputing: set[str] = set()  # resumed requests whose blocks go on, until the recompute ends
         self.continued = 0  # blocks that went on through a recompute
-        self.prompt_rows_cached = 0  # traced requests' prompt tokens the prefix cache supplied
+        # prompt tokens the prefix cache supplied to requests with a block or edits
+        self.prompt_rows_cached = 0
         self.sat_out = 0  # recompute chunks those blocks sat out (vLLM threw their samples away)
         self.kernels: Any = None  # the eager kernels for a compiled engine's Python steps
         self.lowering = Lowering(runner)  # requests whose blocks run on the tap tables
@@ -192,9 +194,14 @@ class WorkerRuntime:
                 and marked(data.sampling_params)
                 and give_copies(requests, self.index, data)
             )
-            if not seams.carries_block(data.sampling_params):
+            carries = seams.carries_block(data.sampling_params)
+            if carries or edited:
+                self.prompt_rows_cached += seams.cached_rows(data)
+            if not carries:
+                # a request with no block of its own (a plain one the edits run on)
+                if edited and tables is not None and seams.whole_prompt_scheduled(data, scheduler_output):
+                    self._lower_edited(requests.requests[data.req_id], tables, *_room(data, scheduler_output))
                 continue
-            self.prompt_rows_cached += seams.cached_rows(data)
             # A lowered block counts one step per forward; a prompt split by
             # chunked prefill (the Python path refuses it, with its reason) is
             # never lowered.
@@ -207,9 +214,7 @@ class WorkerRuntime:
                         why = AT_SAMPLER  # taps or none, it runs at the sampler
                     self.lowering.paths.python(data.req_id, *why)
                 continue
-            rows = seams.scheduled_rows(data, scheduler_output)
-            limit = getattr(data.sampling_params, "max_tokens", None)
-            most = rows + int(limit) if limit else 0  # 0: unknown, never kept lowered
+            rows, most = _room(data, scheduler_output)
             if edited:
                 admit(requests, self.index, data, self.persistent, self.limits, self.model)
                 request = requests.requests.get(data.req_id)
@@ -251,14 +256,17 @@ class WorkerRuntime:
         )
 
     def _lower_edited(self, request: Any, tables: Any, rows: int, most: int) -> None:
-        """A traced request with installed edits: where one of its blocks (its own,
-        or its copy of an edit) needs the forward and the others only the sampler,
-        that one is lowered; with two or more needing it, all run as Python."""
+        """A request with installed edits: where one of its blocks (its own, if it
+        carries one, or its copy of an edit) needs the forward and the others only
+        the sampler, that one is lowered; with two or more needing it, all run as
+        Python."""
         wanting = [c for c in request.copies if getattr(request.copies[c], "needs_forward", True)]
-        if getattr(request.mediator, "needs_forward", True):
+        if request.mediator is not None and getattr(request.mediator, "needs_forward", True):
             wanting.append(None)
         if len(wanting) > 1:
             self.lowering.paths.python(request.id, *EDITED)
+        elif request.mediator is None and not wanting:
+            return  # its copies run at the sampler: nothing of it is in the forward
         elif wanting == [None] or not wanting:  # its own block (or only the sampler): as any
             self._lower(self.lowering.lower, request, tables, self.model, rows, most)
         else:
@@ -622,6 +630,8 @@ class WorkerRuntime:
         for rid, path in paths.items():
             if path is not None and rid in entries:
                 entries[rid]["path"] = path
+            elif path is not None and reporting:  # its edits' copies left nothing else to say
+                entries[rid] = {**request_reply(), "path": path}
         self.uncollected.forget(self.requests.requests)
         self.lowering.paths.keep_only(self.requests.requests)
         self.lowering.mixed.intersection_update(self.requests.requests)
@@ -712,6 +722,14 @@ def _rebuilt(
         if second is not None:
             second[start : start + count] = two
     return first, second
+
+
+def _room(data: Any, scheduler_output: Any) -> tuple[int, int]:
+    """A new request's rows in this step and the most it can have (prompt and
+    ``max_tokens``; 0: unknown, never kept lowered)."""
+    rows = seams.scheduled_rows(data, scheduler_output)
+    limit = getattr(data.sampling_params, "max_tokens", None)
+    return rows, rows + int(limit) if limit else 0
 
 
 def _forward_of(mediator: Any) -> str | None:
