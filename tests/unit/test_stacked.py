@@ -230,3 +230,29 @@ def test_a_large_pool_goes_through_shared_memory_and_leaves_no_file(monkeypatch)
     pooler = Pooler()
     parts = [pack(rid, entry, Limits(), None, pooler) for rid, entry in entries.items()]
     assert len(pool_part(pooler)[0]) > 8 * 4 * 5 * 64 * 4
+
+
+def test_a_large_save_is_a_flat_of_its_own_and_comes_back_as_it_was(monkeypatch):
+    """A tensor over ``OWN_FLAT_BYTES`` is not copied into a joined flat (a probe's
+    rows would need their size again in free device memory); small ones still are."""
+    import vllm_nnsight_plugin.returns.pool as pool_module
+
+    monkeypatch.setattr(pool_module, "OWN_FLAT_BYTES", 4096)
+    big = [torch.randn(64, 32) for _ in range(2)]  # 8 KiB each
+    small = [torch.randn(4) for _ in range(2)]
+    pooler = Pooler()
+    for large, tiny in zip(big, small):
+        _, taken = pooler.swap({"saves": {"large": large, "tiny": tiny}, "sequences": {}})
+        pooler.add(taken)
+    pool = pooler.pool()
+    assert sorted(flat.numel() for flat in pool.flats) == [2 * 4, 64 * 32, 64 * 32]  # small ones joined
+    assert {flat.data_ptr() for flat in pool.flats} >= {t.data_ptr() for t in big}  # not copied
+    entries = {
+        f"r{i}": {"saves": {"large": big[i], "tiny": small[i]}, "error": None, "sequences": {}}
+        for i in range(2)
+    }
+    back = travel_all(entries)
+    for i in range(2):
+        saves = back[f"r{i}"]["saves"]
+        assert torch.equal(saves["large"], big[i]) and torch.equal(saves["tiny"], small[i])
+        assert saves["large"].data_ptr() != big[i].data_ptr()  # the front end's own copy

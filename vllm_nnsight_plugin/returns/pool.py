@@ -28,6 +28,8 @@ from .staging import to_device
 #: transfer serves the requests side by side in it (each then copied into its own
 #: storage on the device), and the window bounds the extra device memory.
 WINDOW_BYTES = 256 << 20
+#: A saved tensor this large travels as a flat tensor of its own (:meth:`Pooler.pool`).
+OWN_FLAT_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -196,13 +198,18 @@ class Pooler:
         self.tensors.update(taken)
 
     def pool(self) -> Pool | None:
+        """The pool: small tensors joined in one flat tensor per dtype and device, and
+        each of :data:`OWN_FLAT_BYTES` or more a flat of its own (a view, not a
+        copy: joining a probe's rows, gigabytes, would need as much free device
+        memory again, the most a collect can find short)."""
         import torch
 
         if not self.tensors:
             return None
         groups: dict[tuple, list[int]] = {}
         for index, tensor in self.tensors.items():
-            groups.setdefault((tensor.dtype, tensor.device), []).append(index)
+            alone = tensor.numel() * tensor.element_size() >= OWN_FLAT_BYTES
+            groups.setdefault((index,) if alone else (tensor.dtype, tensor.device), []).append(index)
         flats, places = [], {}
         for number, indices in enumerate(groups.values()):
             offset = 0
@@ -210,7 +217,8 @@ class Pooler:
                 tensor = self.tensors[index]
                 places[index] = (number, offset, tuple(tensor.shape))
                 offset += tensor.numel()
-            flats.append(torch.cat([self.tensors[index].reshape(-1) for index in indices]))
+            parts = [self.tensors[index].reshape(-1) for index in indices]
+            flats.append(parts[0] if len(parts) == 1 else torch.cat(parts))
         return Pool(self.id, flats, places)
 
 
