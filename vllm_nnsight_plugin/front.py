@@ -24,6 +24,7 @@ from .edits import book_of, edits_to_run, installed_on
 from .prefix import CLAIM_KEY, EDIT_SALT, LAST_ROWS, SAME_EDIT, edit_salt
 from .returns.outputs import (
     attach_collected,
+    attach_failed,
     finished_for_workers,
     forget_unread,
     note_result_unread,
@@ -109,7 +110,13 @@ class FrontEnd:
         if finished:
             ids = [o.request_id for o in finished]
             pending.difference_update(ids)
-            replies = engine.collective_rpc(rpc.COLLECT, args=(ids, finished_for_workers(engine, finished)))
+            try:
+                replies = engine.collective_rpc(
+                    rpc.COLLECT, args=(ids, finished_for_workers(engine, finished))
+                )
+            except Exception as error:  # each of these requests' error, not the whole call's
+                attach_failed(finished, error)
+                return
             attach_collected(finished, replies)
 
     def aborted(self, engine: Any, request_ids: list[str]) -> None:

@@ -189,6 +189,22 @@ def test_an_offline_engine_collects_a_traced_request_once_when_it_finishes():
     assert done.nnsight_saves == {} and done.nnsight_error is None
 
 
+def test_a_collect_that_fails_is_the_error_of_its_requests_not_of_the_call():
+    import vllm_nnsight_plugin
+
+    class Short(Engine):
+        def collective_rpc(self, method, args=()):
+            raise RuntimeError("Call to collective_rpc method failed: CUDA out of memory.")
+
+    engine, front = Short(), FrontEnd()
+    front.added(engine, "traced", vouched())
+    done = SimpleNamespace(request_id="traced", finished=True, outputs=[])
+    front.stepped(engine, [done])  # raises nothing
+    assert done.nnsight_error["type_name"] == "CollectError" and done.saves == {}
+    with pytest.raises(RuntimeError, match="could not return this request's saves: .*out of memory"):
+        vllm_nnsight_plugin.saves(done)
+
+
 def test_an_aborted_traced_request_is_wound_up_on_the_workers():
     from vllm_nnsight_plugin.wire import rpc
 

@@ -161,6 +161,26 @@ def attach_collected(outputs: list, replies: list) -> None:
     count(outputs)
 
 
+class CollectError(PluginError, RuntimeError):
+    """The workers could not return a finished request's saves (the engine ran out
+    of device memory building them, say); the request's tokens stand."""
+
+
+def attach_failed(outputs: list, error: BaseException) -> None:
+    """The error of a collect that failed, on each of its finished outputs, as a
+    block's error reads there: their generation stands, and the engine, which
+    answered the call, serves on."""
+    failed = {
+        "type_name": CollectError.__name__,
+        "message": f"the engine could not return this request's saves: {error}",
+        "traceback": None,
+        "is_control_flow": False,
+    }
+    for output in outputs:
+        attach(output, {**merged(), "error": failed})
+    count(outputs)
+
+
 def saves(output: Any) -> dict:
     """The saves of one finished ``RequestOutput``; raises the block's error if it failed."""
     from nnsight.intervention.errors import raise_deferred
