@@ -36,4 +36,4 @@ python -m pytest -n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder 
   tests/unit/test_runners.py tests/engine/test_seams.py tests/engine/test_behaviour.py tests/engine/test_preemption.py \
   tests/engine/test_chunked_prefill.py tests/engine/test_taps.py tests/engine/test_taps_keep.py tests/engine/test_taps_source.py \
   tests/engine/test_taps_replay.py tests/engine/test_prefix.py \
-  tests/engine/test_edits.py tests/engine/test_serve.py "$@"
+  tests/engine/test_edits.py tests/engine/test_edits_lowered.py tests/engine/test_serve.py "$@"
