@@ -247,6 +247,11 @@ def test_a_large_save_is_a_flat_of_its_own_and_comes_back_as_it_was(monkeypatch)
     pool = pooler.pool()
     assert sorted(flat.numel() for flat in pool.flats) == [2 * 4, 64 * 32, 64 * 32]  # small ones joined
     assert {flat.data_ptr() for flat in pool.flats} >= {t.data_ptr() for t in big}  # not copied
+    slab = torch.randn(4, 64, 32)
+    pooler = Pooler()
+    pooler.add(pooler.swap({"saves": {"part": slab[1]}, "sequences": {}})[1])
+    (flat,) = pooler.pool().flats  # a view of a larger tensor: copied, so only its part travels
+    assert flat.untyped_storage().nbytes() == 64 * 32 * 4 and torch.equal(flat, slab[1].reshape(-1))
     entries = {
         f"r{i}": {"saves": {"large": big[i], "tiny": small[i]}, "error": None, "sequences": {}}
         for i in range(2)

@@ -218,8 +218,17 @@ class Pooler:
                 places[index] = (number, offset, tuple(tensor.shape))
                 offset += tensor.numel()
             parts = [self.tensors[index].reshape(-1) for index in indices]
-            flats.append(parts[0] if len(parts) == 1 else torch.cat(parts))
+            alone = len(parts) == 1 and _whole(parts[0])  # (a view would carry its storage)
+            flats.append(parts[0] if alone else torch.cat(parts))
         return Pool(self.id, flats, places)
+
+
+def _whole(tensor: Any) -> bool:
+    """Whether ``tensor`` is all of its storage, so sending it sends nothing more."""
+    return (
+        tensor.storage_offset() == 0
+        and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    )
 
 
 class Resolver:
