@@ -232,12 +232,15 @@ def test_a_large_pool_goes_through_shared_memory_and_leaves_no_file(monkeypatch)
     assert len(pool_part(pooler)[0]) > 8 * 4 * 5 * 64 * 4
 
 
-def test_a_large_save_is_a_flat_of_its_own_and_comes_back_as_it_was(monkeypatch):
-    """A tensor over ``OWN_FLAT_BYTES`` is not copied into a joined flat (a probe's
-    rows would need their size again in free device memory); small ones still are."""
+def test_a_large_save_is_a_flat_of_its_own_where_joining_would_crowd_the_device(monkeypatch):
+    """Where joining a collect's saves would need more than half the device's free
+    memory, a tensor over ``OWN_FLAT_BYTES`` is not copied into the joined flat (a
+    probe's rows would need their size again); small ones still are, and with room
+    all of them are."""
     import vllm_nnsight_plugin.returns.pool as pool_module
 
     monkeypatch.setattr(pool_module, "OWN_FLAT_BYTES", 4096)
+    monkeypatch.setattr(pool_module, "_room", lambda device: 16 << 10)  # a device nearly full
     big = [torch.randn(64, 32) for _ in range(2)]  # 8 KiB each
     small = [torch.randn(4) for _ in range(2)]
     pooler = Pooler()
@@ -261,3 +264,8 @@ def test_a_large_save_is_a_flat_of_its_own_and_comes_back_as_it_was(monkeypatch)
         saves = back[f"r{i}"]["saves"]
         assert torch.equal(saves["large"], big[i]) and torch.equal(saves["tiny"], small[i])
         assert saves["large"].data_ptr() != big[i].data_ptr()  # the front end's own copy
+    monkeypatch.setattr(pool_module, "_room", lambda device: float("inf"))
+    pooler = Pooler()
+    for large in big:
+        pooler.add(pooler.swap({"saves": {"large": large}, "sequences": {}})[1])
+    assert [flat.numel() for flat in pooler.pool().flats] == [2 * 64 * 32]  # room: one joined flat

@@ -28,7 +28,8 @@ from .staging import to_device
 #: transfer serves the requests side by side in it (each then copied into its own
 #: storage on the device), and the window bounds the extra device memory.
 WINDOW_BYTES = 256 << 20
-#: A saved tensor this large travels as a flat tensor of its own (:meth:`Pooler.pool`).
+#: A saved tensor this large travels as a flat tensor of its own where joining the
+#: saves would crowd the device (:meth:`Pooler.pool`).
 OWN_FLAT_BYTES = 16 << 20
 
 
@@ -198,29 +199,50 @@ class Pooler:
         self.tensors.update(taken)
 
     def pool(self) -> Pool | None:
-        """The pool: small tensors joined in one flat tensor per dtype and device, and
-        each of :data:`OWN_FLAT_BYTES` or more a flat of its own (a view, not a
-        copy: joining a probe's rows, gigabytes, would need as much free device
-        memory again, the most a collect can find short)."""
+        """The pool: the tensors joined in one flat tensor per dtype and device, one
+        copy (and one hand-over to the front end) for all of them. Where joining
+        them would need more than half the device's free memory (a probe's rows,
+        gigabytes, on an engine holding most of its GPU), each of
+        :data:`OWN_FLAT_BYTES` or more is a flat of its own instead, uncopied."""
         import torch
 
         if not self.tensors:
             return None
         groups: dict[tuple, list[int]] = {}
         for index, tensor in self.tensors.items():
-            alone = tensor.numel() * tensor.element_size() >= OWN_FLAT_BYTES
-            groups.setdefault((index,) if alone else (tensor.dtype, tensor.device), []).append(index)
+            groups.setdefault((tensor.dtype, tensor.device), []).append(index)
+        for key, indices in list(groups.items()):
+            tensors = [self.tensors[index] for index in indices]
+            if sum(_bytes(t) for t in tensors) <= _room(key[1]) / 2:
+                continue
+            alone = [
+                i for i, t in zip(indices, tensors, strict=True) if _bytes(t) >= OWN_FLAT_BYTES and _whole(t)
+            ]
+            groups[key] = [index for index in indices if index not in alone]
+            groups.update({(index,): [index] for index in alone})
         flats, places = [], {}
-        for number, indices in enumerate(groups.values()):
+        for number, indices in enumerate(group for group in groups.values() if group):
             offset = 0
             for index in indices:
                 tensor = self.tensors[index]
                 places[index] = (number, offset, tuple(tensor.shape))
                 offset += tensor.numel()
             parts = [self.tensors[index].reshape(-1) for index in indices]
-            alone = len(parts) == 1 and _whole(parts[0])  # (a view would carry its storage)
-            flats.append(parts[0] if alone else torch.cat(parts))
+            flats.append(parts[0] if len(parts) == 1 and _whole(parts[0]) else torch.cat(parts))
         return Pool(self.id, flats, places)
+
+
+def _bytes(tensor: Any) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _room(device: Any) -> float:
+    """Free memory on ``device`` (unbounded off a GPU)."""
+    import torch
+
+    if device.type != "cuda":
+        return float("inf")
+    return torch.cuda.mem_get_info(device)[0]
 
 
 def _whole(tensor: Any) -> bool:
