@@ -175,7 +175,7 @@ def test_a_steering_edit_lands_and_leaves_no_trace_once_cleared(smol, smollm2_ll
     assert plain_tokens(smollm2_llm, PROMPT, 10) == before
 
 
-def test_while_an_edit_is_installed_every_prompt_is_computed_whole(smol, smollm2_llm):
+def test_an_edit_reading_every_row_keeps_its_requests_computing_their_whole_prompts(smol, smollm2_llm):
     prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 20)  # over a 128-token block
     rows = len(smollm2_llm.get_tokenizer().encode(prompt))
     plain_tokens(smollm2_llm, prompt, 1)  # its blocks are now in the prefix cache
