@@ -215,11 +215,11 @@ class Pooler:
             tensors = [self.tensors[index] for index in indices]
             if sum(_bytes(t) for t in tensors) <= _room(key[1]) / 2:
                 continue
-            alone = [
+            alone = {
                 i for i, t in zip(indices, tensors, strict=True) if _bytes(t) >= OWN_FLAT_BYTES and _whole(t)
-            ]
+            }
             groups[key] = [index for index in indices if index not in alone]
-            groups.update({(index,): [index] for index in alone})
+            groups.update({(index,): [index] for index in sorted(alone)})
         flats, places = [], {}
         for number, indices in enumerate(group for group in groups.values() if group):
             offset = 0
@@ -247,10 +247,7 @@ def _room(device: Any) -> float:
 
 def _whole(tensor: Any) -> bool:
     """Whether ``tensor`` is all of its storage, so sending it sends nothing more."""
-    return (
-        tensor.storage_offset() == 0
-        and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
-    )
+    return tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == _bytes(tensor)
 
 
 class Resolver:
