@@ -1120,7 +1120,8 @@ def profile_engine(path: str, graphs: bool = False, taps: bool = False) -> None:
     layer is tapped the probe (64 x 128), one block at the taps among 63 plain
     requests (x 32, ``at_taps``) and ten plain one-token calls (``plain1``), and
     1,024 prompts sharing a 512-token prefix, plain and as a last-row sweep
-    (``prefix_plain``, ``prefix_sweep``);
+    (``prefix_plain``, ``prefix_sweep``), and 1,024 unique prompts the same way
+    (``unique_plain``, ``unique_sweep``);
     ``GPU_BENCH_PROFILE_JOBS`` (comma-separated names) picks some."""
     import cProfile
 
@@ -1173,6 +1174,9 @@ def profile_engine(path: str, graphs: bool = False, taps: bool = False) -> None:
         # the prefix cache (``prefix.py``)
         jobs["prefix_plain"] = lambda: llm.generate(shared_prefix(SWEEP, next(runs)), one, use_tqdm=False)
         jobs["prefix_sweep"] = lambda: sweep(model, shared_prefix(SWEEP, next(runs)))
+        # 1,024 unique prompts, one token each: plain, and a last-row sweep
+        jobs["unique_plain"] = lambda: llm.generate(unique(SWEEP), one, use_tqdm=False)
+        jobs["unique_sweep"] = lambda: sweep(model, unique(SWEEP))
         wanted = [j for j in os.environ.get("GPU_BENCH_PROFILE_JOBS", "").split(",") if j]
         jobs = {job: fn for job, fn in jobs.items() if not wanted or job in wanted}
     elif graphs:

@@ -15,7 +15,14 @@ class Tracer:
 
 
 MODEL = object()
-SCOPE = {"model": MODEL, "tracer": Tracer(), "torch": torch, "vector": torch.zeros(3), "rows": []}
+SCOPE = {
+    "model": MODEL,
+    "tracer": Tracer(),
+    "torch": torch,
+    "vector": torch.zeros(3),
+    "rows": [],
+    "maker": MODEL,
+}
 
 READS = {
     "a read": "h = model.model.layers[3].output[0].clone().save()",
@@ -27,6 +34,10 @@ READS = {
     "logits replaced": "model.logits = model.logits * 0",
     "a function the block defines": "def f(x):\n    return x.norm()\nn = f(model.x.output[0]).save()",
     "a tuple bound": "hidden, residual = model.x.output",
+    "into a tensor it made": (
+        "h = model.x.output[0]\nfor i in range(3):\n    alone = torch.zeros_like(h)\n"
+        "    alone[:, i] = h[:, i]\n    alone += 1\n    alone.mul_(2)\n    rows.append(model.y(alone))"
+    ),
 }
 WRITES = {
     "a subscript write": "model.x.output[0][:] = 0",
@@ -48,6 +59,11 @@ WRITES = {
     "logits through another name": "logits = model.logits\nlogits[:, 1] = 0",
     "a module's attribute set": "model.x.weight = vector",
     "a starred target": "a, *model.x.output[0][:2] = [1, 2, 3]",
+    "into a tensor it made, then rebound": "alone = torch.zeros(3)\nalone = model.x.output[0]\nalone[:] = 0",
+    "into a tensor it made, as a loop target": "alone = torch.zeros(3)\nfor alone in [model.x.output[0]]:\n    alone[0] = 1",
+    "into a tensor it made, as an argument": "alone = torch.zeros(3)\nf = lambda alone: alone.zero_()\nf(model.x.output[0])",
+    "into a tensor made by a function that is not torch's": "alone = maker.zeros_like(vector)\nalone[:] = 0",
+    "through an attribute of a tensor it made": "alone = torch.zeros(3)\nalone.grad[:] = 0",
 }
 
 

@@ -34,7 +34,9 @@ A block is served so only where that is certain:
   kept in a container, handed to a call that may keep or write it, or used after
   a later location is read: on the Python path it is the step's own buffer, which
   the next layer of a Python step may overwrite in place (vLLM's fused residual
-  add and norm), where served here it is a copy (``_aliasing``);
+  add and norm), where served here it is a copy (``_aliasing``); a view
+  assigned into a tensor the block made itself (``alone[:, :64] = h[:, :64]``
+  after ``alone = torch.zeros_like(h)``: ``fresh.py``) is copied there, not kept;
 - no layer is named by a name the block binds itself, and it keeps no
   ``tracer.cache`` (a cache observes every location of the forward); the worker
   also checks that each tap returns exactly the two values it keeps.
@@ -48,6 +50,7 @@ import types
 from typing import Any
 
 from .forms import Index, _module_path
+from .fresh import fresh_tensors, indexed_name
 from .lower import Unlowered, _is_envoy, _site
 from .meaning import does_nothing
 from .spec import input_site, split_site
@@ -516,7 +519,7 @@ def _aliasing(source: str, scope: Any = None, model: Any = None) -> str | None:
     value used after a later location is read, or kept past its statement; a call
     that writes in place. None where neither can happen."""
     tree = ast.parse(source)
-    state = _Views(scope or {}, model)
+    state = _Views(scope or {}, model, fresh_tensors(source, scope or {}))
     try:
         state.statements(tree.body)
     except _Hazard as hazard:
@@ -544,8 +547,9 @@ class _Views:
     block in the order Python runs it (a loop's body twice: a name read on one
     iteration may be used on the next)."""
 
-    def __init__(self, scope: dict[str, Any], model: Any) -> None:
+    def __init__(self, scope: dict[str, Any], model: Any, fresh: frozenset[str] = frozenset()) -> None:
         self.scope, self.model = scope, model
+        self.fresh = fresh  # names of tensors the block made (``fresh.py``)
         self.views: dict[str, int] = {}
         self.epoch = 0  # how many statements reading a location have run
 
@@ -583,13 +587,16 @@ class _Views:
         if isinstance(node, ast.Assign):
             view = self.is_view(node.value)
             for target in node.targets:
+                if indexed_name(target) in self.fresh:
+                    continue  # copied into a tensor the block made: nothing is kept
                 # a location's new value is what the forward goes on with, on either path
                 swap = isinstance(target, ast.Attribute) and target.attr in _SWAPPED
                 if not isinstance(target, (ast.Name, ast.Tuple, ast.List, ast.Starred)) and view and not swap:
                     raise _Hazard("it keeps a view of a tap's value past its statement")
                 self.bind(target, view)
         elif isinstance(node, (ast.AnnAssign, ast.AugAssign)) and node.value is not None:
-            self.bind(node.target, self.is_view(node.value))
+            if indexed_name(node.target) not in self.fresh:
+                self.bind(node.target, self.is_view(node.value))
         elif isinstance(node, ast.Return) and node.value is not None:
             if self.is_view(node.value):
                 raise _Hazard("it keeps a view of a tap's value past its statement")

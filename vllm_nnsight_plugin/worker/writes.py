@@ -13,7 +13,9 @@ A block may write when its source:
 
 - assigns to a subscript or an attribute (``h[:] = 0``, ``layer.output = t``),
   or augments one (``h[:, 5] += v``), or augments a bare name (``h += v`` is in
-  place when ``h`` is a tensor, which the source cannot tell from a counter);
+  place when ``h`` is a tensor, which the source cannot tell from a counter),
+  unless into a tensor the block made itself (``alone = torch.zeros_like(h)``:
+  ``taps/fresh.py``);
 - calls a method named like an in-place one (``add_``, ``zero_``, ``copy_``, an
   ``__i*__`` or ``__setitem__``), passes ``out=`` or ``inplace=``, or skips a
   module (``skip``);
@@ -38,6 +40,7 @@ import textwrap
 import types
 from typing import Any
 
+from ..taps.fresh import fresh_tensors, indexed_name
 from ..taps.meaning import does_nothing
 from .reach import INDIRECT, _library, _plain, name_uses
 
@@ -97,9 +100,13 @@ def _targets(node: ast.AST) -> list[ast.AST]:
 
 
 @functools.lru_cache(maxsize=1024)
-def _reading(source: str, models: frozenset[str]) -> tuple[bool, frozenset[str]]:
+def _reading(
+    source: str, models: frozenset[str], fresh: frozenset[str] = frozenset()
+) -> tuple[bool, frozenset[str]]:
     """``(no write seen, names called)`` of a source, before the captured values
-    are looked at; ``models`` are the names the model is captured under."""
+    are looked at; ``models`` are the names the model is captured under, ``fresh``
+    those bound only to tensors of new memory (``taps/fresh.py``), which it may
+    fill in place."""
     try:
         tree = ast.parse(source)
     except SyntaxError:
@@ -109,15 +116,23 @@ def _reading(source: str, models: frozenset[str]) -> tuple[bool, frozenset[str]]
         if isinstance(node, (ast.Import, ast.ImportFrom, ast.Global, ast.Nonlocal)):
             return False, frozenset()
         for target in _targets(node):
+            if indexed_name(target) in fresh:
+                continue  # into a tensor of its own
             if isinstance(target, (ast.Subscript, ast.Attribute)) and not _sampler_target(target, models):
                 return False, frozenset()
-            if isinstance(node, ast.AugAssign) and isinstance(target, ast.Name):
+            if isinstance(node, ast.AugAssign) and isinstance(target, ast.Name) and target.id not in fresh:
                 return False, frozenset()
         if isinstance(node, ast.Attribute) and node.attr in ESCAPES:
             return False, frozenset()
         if isinstance(node, ast.Call):
-            if isinstance(node.func, ast.Attribute) and (
-                _in_place(node.func.attr) or node.func.attr == "skip"
+            func = node.func
+            into_fresh = (
+                isinstance(func, ast.Attribute)
+                and isinstance(func.value, ast.Name)
+                and func.value.id in fresh
+            )
+            if isinstance(func, ast.Attribute) and (
+                (_in_place(func.attr) and not into_fresh) or func.attr == "skip"
             ):
                 return False, frozenset()
             if any(keyword.arg in ("out", "inplace") for keyword in node.keywords):
@@ -140,7 +155,7 @@ def may_write(source: str | None, scope: dict[str, Any], model: Any, tracer_type
     # the model's tree: the model, or a module of it the block captured
     # (``attention = model.model.layers[12].self_attn``), whose methods it may call
     tree = models | frozenset(name for name, value in scope.items() if _is_envoy(value))
-    reading, called = _reading(source, models)
+    reading, called = _reading(source, models, fresh_tensors(source, scope))
     if not reading:
         return True
     budget = [10_000]
