@@ -169,6 +169,25 @@ def steer_last_row_python(model, vector):
     return result
 
 
+def steer_number(model):
+    with model.trace(PROMPT, temperature=0.0, max_tokens=5, logprobs=3) as tracer:
+        for _ in tracer.iter[:5]:
+            hidden = model.model.layers[10].output[0]
+            hidden[:] += 0.37 * 3  # a number: float32 holds neither exactly
+        result = tracer.result.save()
+    return result
+
+
+def steer_number_python(model):
+    with model.trace(PROMPT, temperature=0.0, max_tokens=5, logprobs=3) as tracer:
+        for _ in tracer.iter[:5]:
+            model.model.embed_tokens.output.clone()  # no tap: the block runs as Python
+            hidden = model.model.layers[10].output[0]
+            hidden[:] += 0.37 * 3
+        result = tracer.result.save()
+    return result
+
+
 def keep_unpacked(model):
     with model.trace(PROMPT, temperature=0.0, max_tokens=4) as tracer:
         rows = list().save()
@@ -196,6 +215,7 @@ def test_blocks_spelled_otherwise_are_lowered_and_equal_the_python_path_bit_for_
     for lowered, python in (
         (steer_unpacked, steer_unpacked_python),
         (steer_last_row, steer_last_row_python),
+        (lambda model, _: steer_number(model), lambda model, _: steer_number_python(model)),
     ):
         (before,) = smollm2_llm.collective_rpc("nnsight_stats")
         got = lowered(smol, vector)

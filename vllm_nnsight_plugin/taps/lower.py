@@ -470,7 +470,7 @@ def _vector(form: Form, scope: dict[str, Any], width: int, dtype: torch.dtype, d
             return None  # an unbound name, or anything whose arithmetic could be more than arithmetic
         values[name] = value
     if not any(isinstance(v, torch.Tensor) for v in values.values()):
-        return None
+        return _number_added(form, values, width, dtype, device)
     if form.alias is not None:  # what ``.to(hidden)`` reads of the tap's value: its dtype and device
         values[form.alias] = torch.empty(0, dtype=dtype, device=device)
     try:
@@ -488,6 +488,26 @@ def _vector(form: Form, scope: dict[str, Any], width: int, dtype: torch.dtype, d
     ):
         return None
     return vector
+
+
+def _number_added(
+    form: Form, values: dict[str, Any], width: int, dtype: torch.dtype, device: Any
+) -> torch.Tensor | None:
+    """A number added (``hidden[:] += 4.0``), as the vector that adds the same (the
+    bank's float32 row of it, the sum rounded once). A float32 value plus a Python
+    number adds the number rounded to float32, on any device. A bfloat16 or
+    float16 value does not say the same everywhere: a CPU rounds the number to
+    the value's dtype first, a GPU to float32 (a product is float32 on both:
+    ``_change``); so there only a number the dtype holds exactly, which every
+    rounding leaves as it is. Arithmetic on captured numbers only."""
+    if form.project is not None or any(type(v) not in (int, float) for v in values.values()):
+        return None  # (a direction is a tensor)
+    number = _evaluated(form.vector, values)
+    if type(number) not in (int, float) or dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return None
+    if dtype != torch.float32 and float(torch.tensor(float(number), dtype=torch.float64).to(dtype)) != number:
+        return None
+    return torch.full((width,), float(number), dtype=torch.float32, device=device)
 
 
 def _number(value: Any, scope: dict[str, Any]) -> int | None:
