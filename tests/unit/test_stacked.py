@@ -269,3 +269,37 @@ def test_a_large_save_is_a_flat_of_its_own_where_joining_would_crowd_the_device(
     for large in big:
         pooler.add(pooler.swap({"saves": {"large": large}, "sequences": {}})[1])
     assert [flat.numel() for flat in pooler.pool().flats] == [2 * 64 * 32]  # room: one joined flat
+
+
+def test_an_entry_of_tensors_alone_takes_the_short_way_and_comes_back_the_same():
+    from vllm_nnsight_plugin.worker.collect import _only_tensors
+
+    last, kept = torch.randn(4096, dtype=torch.bfloat16), torch.randn(3, 8)
+    entry = {
+        "saves": {"last": last, "kept": kept},
+        "error": None,
+        "sequences": {},
+        "edits": {},
+        "path": {"lowered": True},
+    }
+    assert _only_tensors(entry)
+    back, plain = travel(dict(entry)), general(dict(entry))
+    assert back["path"] == {"lowered": True}
+    for name in ("last", "kept"):
+        assert back["saves"][name].dtype == plain["saves"][name].dtype
+        torch.testing.assert_close(back["saves"][name], plain["saves"][name], rtol=0, atol=0)
+    # anything else is the general path's: one tensor under two names stays one
+    # object, views of one storage stay views of one, lists are stacked, errors kept
+    assert not _only_tensors({**entry, "saves": {"a": last, "b": last}})
+    assert not _only_tensors({**entry, "saves": {"a": kept[0], "b": kept[1]}})
+    assert not _only_tensors({**entry, "saves": {"a": last, "rows": [kept]}})
+    assert not _only_tensors({**entry, "error": {"type_name": "ValueError"}})
+    assert not _only_tensors({**entry, "edits": {"e": kept}})
+    assert not _only_tensors({**entry, "saves": {}})
+    one = {**entry, "sequences": {0: {"saves": entry["saves"], "edits": entry["edits"]}}}
+    assert _only_tensors(one)  # sequence 0's dicts are the flat ones (nnsight's reply)
+    assert torch.equal(travel(one)["sequences"][0]["last"], general(one)["sequences"][0]["last"])
+    assert not _only_tensors({**entry, "sequences": {0: {"saves": dict(entry["saves"])}}})
+    assert not _only_tensors({**entry, "sequences": {0: {"saves": entry["saves"]}, 1: {}}})
+    twice = travel({**entry, "saves": {"a": last, "b": last}})["saves"]
+    assert twice["a"] is twice["b"]

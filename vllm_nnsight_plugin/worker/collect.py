@@ -16,7 +16,7 @@ from typing import Any
 
 from .. import seams
 from ..returns.pool import Pooler
-from ..returns.stacked import shared_tensors, stack_entry
+from ..returns.stacked import poolable, shared_tensors, stack_entry
 from ..wire.envelope import Limits
 from ..wire.reply import request_reply
 from . import _nnsight as nns
@@ -76,7 +76,9 @@ def pack(
     if compiled_miss is not None and nns.is_out_of_order(entry.get("error")):
         entry["error"] = nns.capture_exception(CompiledForwardError(compiled_miss))
     try:
-        if watch is None:
+        if _only_tensors(entry):  # nothing of the block's own to pickle: no budget needed
+            taken, part = _packed(request_id, entry, pooler, plain=True)
+        elif watch is None:
             taken, part = _packed(request_id, entry, pooler)
         else:
             taken, part = watch.run(entry, _packed, request_id, entry, pooler)
@@ -101,11 +103,35 @@ def pack(
     return part
 
 
-def _packed(request_id: str, entry: dict, pooler: Pooler) -> tuple[dict, bytes]:
-    """The tensors the pool takes from the entry, and the entry pickled without them."""
+def _packed(request_id: str, entry: dict, pooler: Pooler, plain: bool = False) -> tuple[dict, bytes]:
+    """The tensors the pool takes from the entry, and the entry pickled without them;
+    ``plain``: the entry is :func:`_only_tensors`'s (nothing to stack, nothing shared)."""
+    if plain:
+        swapped, taken = pooler.swap(entry)
+        return taken, nns.dumps_compact({request_id: swapped})
     shared = shared_tensors(entry)
     swapped, taken = (entry, {}) if shared is None else pooler.swap(stack_entry(entry, shared), shared)
     return taken, nns.dumps_compact({request_id: swapped})
+
+
+def _only_tensors(entry: dict) -> bool:
+    """An entry whose saves are tensors the pool rebuilds exactly, each of a storage
+    of its own, and nothing else of the block's (no error, no edits' saves, one
+    sequence, whose dicts are the flat ones): the most common reply (a lowered read), for which finding shared
+    tensors and stacking lists would find none and pickling runs no code of the
+    block's. Anything else takes the general path."""
+    saves = entry.get("saves")
+    if not saves or entry.get("error") is not None or entry.get("edits"):
+        return False
+    sequences = entry.get("sequences") or {}
+    if sequences and (
+        list(sequences) != [0]  # one sequence, whose dicts are the flat ones themselves
+        or any(value is not entry.get(key) for key, value in sequences[0].items())
+    ):
+        return False
+    if not all(poolable(value) for value in saves.values()):
+        return False
+    return len({value.untyped_storage().data_ptr() for value in saves.values()}) == len(saves)
 
 
 def pool_part(pooler: Pooler) -> list[bytes]:
