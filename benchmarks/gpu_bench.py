@@ -39,7 +39,7 @@ issue 27's table, each job right after a plain run of its size on the same engin
 1,000, patching, the last-row sweep of 1,024 unique prompts and, with every layer
 tapped, the probe), and a plain one-token call, a one-token trace and the lens in
 turn, ``--repeats`` rounds: ratios that a drift of the machine between runs moves
-on both sides).
+on both sides; ``GPU_BENCH_PAIRED=steer,sweep`` picks some of its jobs).
 ``GPU_BENCH_REAL=1`` loads real weights (e.g. SmolLM2) instead of dummy ones;
 ``GPU_BENCH_SMALL=1`` shrinks everything for a dry run of the script on a CPU.
 
@@ -956,6 +956,8 @@ def paired_jobs(model, llm, name: str, repeats: int, few: list, params, path: st
     if every_layer_tapped():
         probe_rows(model, few[:4], 8, layers)
         jobs["probe"] = (CONCURRENT, lambda batch: probe_rows(model, batch, TOKENS, layers), params, TOKENS)
+    wanted = [j for j in os.environ.get("GPU_BENCH_PAIRED", "").split(",") if j]
+    jobs = {job: spec for job, spec in jobs.items() if not wanted or job in wanted}
     for _ in range(repeats):
         for job, (n, run, plain_params, tokens) in jobs.items():
             plain_batch, batch = unique(n), unique(n)

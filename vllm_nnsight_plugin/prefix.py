@@ -119,6 +119,17 @@ def last_rows_only(
 
 
 @functools.lru_cache(maxsize=256)
+def _stored(source: str) -> Counter:
+    """How often a block's source binds each name (read only: shared by every
+    invoke of the block)."""
+    return Counter(
+        node.id
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load)
+    )
+
+
+@functools.lru_cache(maxsize=256)
 def names_used(source: str | None) -> tuple[str, ...]:
     """The names a block's source reads (what of its captured values can matter)."""
     try:
@@ -182,11 +193,7 @@ def one_edit_every_step(
         tree = ast.parse(source)
     except SyntaxError:
         return False
-    stored = Counter(
-        node.id
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load)
-    )
+    stored = _stored(source)
     edits: list[ast.stmt] = []
     named: list[ast.stmt] = []  # the assignments of the names the edits write through
     for loop in tree.body:
