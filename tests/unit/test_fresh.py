@@ -38,6 +38,12 @@ def test_any_other_binding_of_the_name_makes_it_not_fresh():
         "f = lambda alone: alone",
         "s = [alone for alone in rows]",
         "(alone := heads_in)",
+        "torch = fake",  # torch rebound in the block: its zeros_like may be anything
+        "import torch",
+        "from numpy import zeros as torch",
+        "def torch(): pass",
+        "def alone(): pass",
+        "global alone",
     ):
         assert fresh_tensors(HEADS + other + "\n", scope) == set(), other
     assert fresh_tensors(HEADS + "alone += 1\n", scope) == {"alone"}  # in place, into itself

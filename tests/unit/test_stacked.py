@@ -296,6 +296,7 @@ def test_an_entry_of_tensors_alone_takes_the_short_way_and_comes_back_the_same()
     assert not _only_tensors({**entry, "error": {"type_name": "ValueError"}})
     assert not _only_tensors({**entry, "edits": {"e": kept}})
     assert not _only_tensors({**entry, "saves": {}})
+    assert not _only_tensors({**entry, "other": object()})  # anything else: the general path
     one = {**entry, "sequences": {0: {"saves": entry["saves"], "edits": entry["edits"]}}}
     assert _only_tensors(one)  # sequence 0's dicts are the flat ones (nnsight's reply)
     assert torch.equal(travel(one)["sequences"][0]["last"], general(one)["sequences"][0]["last"])

@@ -14,7 +14,8 @@ kept) only where that is certain from the source and the captured values:
 - every binding of the name in the block is ``name = torch.<maker>(...)``, one
   of torch's functions that always allocate (:data:`MAKERS`), or an augmented
   assignment of the name itself (in place, into that same new tensor);
-- ``torch`` there is torch itself (a captured value, checked at admission);
+- ``torch`` there is torch itself (a captured value, checked at admission),
+  which the block never binds;
 - no function, lambda or comprehension of the block takes the name as an
   argument or loop target (its body would see another value under it).
 """
@@ -41,12 +42,18 @@ def _made(source: str) -> tuple[tuple[str, frozenset[str]], ...]:
     stores: dict[str, int] = {}
     good: dict[str, int] = {}
     roots: dict[str, set[str]] = {}
-    arguments: set[str] = set()
+    arguments: set[str] = set()  # bound other than by assignment
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
             stores[node.id] = stores.get(node.id, 0) + 1
         elif isinstance(node, ast.arg):
             arguments.add(node.arg)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):  # names bound otherwise
+            arguments.update(alias.asname or alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            arguments.add(node.name)
+        elif isinstance(node, (ast.Global, ast.Nonlocal)):
+            arguments.update(node.names)
         elif (
             isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
         ):
@@ -57,10 +64,11 @@ def _made(source: str) -> tuple[tuple[str, frozenset[str]], ...]:
                 roots.setdefault(name, set()).add(root)
         elif isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
             good[node.target.id] = good.get(node.target.id, 0) + 1
+    bound = stores.keys() | arguments  # a maker's module rebound in the block is not torch
     return tuple(
         (name, frozenset(roots[name]))
         for name, count in stores.items()
-        if name in roots and good.get(name) == count and name not in arguments
+        if name in roots and good.get(name) == count and name not in arguments and not roots[name] & bound
     )
 
 

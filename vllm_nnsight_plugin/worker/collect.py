@@ -114,6 +114,10 @@ def _packed(request_id: str, entry: dict, pooler: Pooler, plain: bool = False) -
     return taken, nns.dumps_compact({request_id: swapped})
 
 
+#: What a reply entry holds besides its saves: the path is plain words and flags.
+_PLAIN_KEYS = frozenset({"saves", "error", "edits", "sequences", "path"})
+
+
 def _only_tensors(entry: dict) -> bool:
     """An entry whose saves are tensors the pool rebuilds exactly, each of a storage
     of its own, and nothing else of the block's (no error, no edits' saves, one
@@ -121,7 +125,7 @@ def _only_tensors(entry: dict) -> bool:
     tensors and stacking lists would find none and pickling runs no code of the
     block's. Anything else takes the general path."""
     saves = entry.get("saves")
-    if not saves or entry.get("error") is not None or entry.get("edits"):
+    if not saves or entry.get("error") is not None or entry.get("edits") or not entry.keys() <= _PLAIN_KEYS:
         return False
     sequences = entry.get("sequences") or {}
     if sequences and (
