@@ -37,5 +37,6 @@ def test_only_numbers_make_a_row():
     assert _number_added(form("s"), {"s": "4"}, 4, torch.float32, cpu) is None
     assert _number_added(form("1 / 0"), {}, 4, torch.float32, cpu) is None  # Python raises on the request
     assert _number_added(form("2"), {}, 4, torch.float64, cpu) is None
+    assert _number_added(form("10 ** 400"), {}, 4, torch.float32, cpu) is None  # no float holds it
     projected = types.SimpleNamespace(vector=form("2").vector, project=(False, None, None, False))
     assert _number_added(projected, {}, 4, torch.float32, cpu) is None

@@ -505,9 +505,13 @@ def _number_added(
     number = _evaluated(form.vector, values)
     if type(number) not in (int, float) or dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return None
-    if dtype != torch.float32 and float(torch.tensor(float(number), dtype=torch.float64).to(dtype)) != number:
+    try:
+        value = float(number)
+    except OverflowError:  # an int past any float: Python raises on the request
         return None
-    return torch.full((width,), float(number), dtype=torch.float32, device=device)
+    if dtype != torch.float32 and float(torch.tensor(value, dtype=torch.float64).to(dtype)) != number:
+        return None
+    return torch.full((width,), value, dtype=torch.float32, device=device)
 
 
 def _number(value: Any, scope: dict[str, Any]) -> int | None:
