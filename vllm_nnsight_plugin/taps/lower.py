@@ -306,10 +306,8 @@ def _change(
     Python clips it, one index within the width (outside, Python raises)."""
     kind, columns = form.change
     values = {name: scope.get(name, _MISSING) for name in form.names}
-    if any(type(v) not in (int, float) for v in values.values()):
-        return _NUMBER
-    number = _evaluated(form.vector, values)
-    if type(number) not in (int, float) or dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    number = _captured_number(form, values, dtype)
+    if number is None:
         return _NUMBER
     if kind == "fill" and float(torch.tensor(number, dtype=torch.float32).item()) != number:
         return _NUMBER
@@ -335,6 +333,17 @@ def _columns(columns: tuple | None, values: dict[str, Any], width: int) -> tuple
         return index % width, index % width + 1
     low, high, _ = slice(*parts).indices(width)
     return low, max(high, low)
+
+
+def _captured_number(form: Form, values: dict[str, Any], dtype: torch.dtype) -> int | float | None:
+    """The form's number (``form.vector``), computed from captured numbers alone, on
+    a model whose dtype the bank's float32 serves; None for anything else."""
+    if any(type(v) not in (int, float) for v in values.values()):
+        return None
+    number = _evaluated(form.vector, values)
+    if type(number) not in (int, float) or dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return None
+    return number
 
 
 def _evaluated(expression: ast.Expression, values: dict[str, Any]) -> Any:
@@ -500,10 +509,10 @@ def _number_added(
     the value's dtype first, a GPU to float32 (a product is float32 on both:
     ``_change``); so there only a number the dtype holds exactly, which every
     rounding leaves as it is. Arithmetic on captured numbers only."""
-    if form.project is not None or any(type(v) not in (int, float) for v in values.values()):
-        return None  # (a direction is a tensor)
-    number = _evaluated(form.vector, values)
-    if type(number) not in (int, float) or dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if form.project is not None:  # a direction is a tensor
+        return None
+    number = _captured_number(form, values, dtype)
+    if number is None:
         return None
     try:
         value = float(number)
