@@ -39,7 +39,9 @@ issue 27's table, each job right after a plain run of its size on the same engin
 1,000, patching, the last-row sweep of 1,024 unique prompts and, with every layer
 tapped, the probe), and a plain one-token call, a one-token trace and the lens in
 turn, ``--repeats`` rounds: ratios that a drift of the machine between runs moves
-on both sides; ``GPU_BENCH_PAIRED=steer,sweep`` picks some of its jobs).
+on both sides; ``GPU_BENCH_PAIRED=steer,sweep`` picks some of its jobs; ``timeline``:
+plain and steering runs under the engine's torch profiler, each with the device's
+busy time and span, so a cost can be told apart as kernels or as waiting).
 ``GPU_BENCH_REAL=1`` loads real weights (e.g. SmolLM2) instead of dummy ones;
 ``GPU_BENCH_SMALL=1`` shrinks everything for a dry run of the script on a CPU.
 
@@ -692,6 +694,14 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
     extra = {} if plugin == "off" else {"additional_config": {"nnsight_taps": "none"}}  # not the default taps
     if kind == "taps":  # graphs, with the benchmark's layer tapped
         extra = {"additional_config": {"nnsight_taps": TAPS}}
+    timeline = os.environ.get("GPU_BENCH_JOBS") == "timeline"
+    if timeline:  # the engine's own torch profiler, started and stopped per job
+        extra["profiler_config"] = {
+            "profiler": "torch",
+            "torch_profiler_dir": TIMELINE_DIR,
+            "torch_profiler_with_stack": False,
+            "torch_profiler_use_gzip": False,
+        }
     result(
         engine=name,
         job="setting",
@@ -708,6 +718,10 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
 
     def plain(batch):
         return timed(lambda: llm.generate(batch, params, use_tqdm=False))
+
+    if timeline:
+        timeline_jobs(llm, name, repeats, few, params, path)
+        return
 
     for _ in range(repeats):
         result(engine=name, job="plain", tok_s=round(CONCURRENT * TOKENS / plain(unique(CONCURRENT)), 1))
@@ -980,6 +994,92 @@ def paired_jobs(model, llm, name: str, repeats: int, few: list, params, path: st
             job="latency_pair",
             **{job: round(1000 * statistics.median(w), 2) for job, w in walls.items()},
         )
+
+
+TIMELINE_DIR = "/tmp/vllm-nnsight-timeline"
+
+
+def gpu_time(trace: dict) -> dict:
+    """What the device did over one profiled job: its busy time (the union of its
+    kernels and copies), the span from its first to its last, the kernels, and
+    the kernels with the most time."""
+    spans, by_name = [], {}
+    for event in trace.get("traceEvents", ()):
+        if event.get("ph") != "X" or event.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        start, dur = float(event["ts"]), float(event.get("dur", 0))
+        spans.append((start, start + dur))
+        name = str(event.get("name", "?"))[:48]
+        by_name[name] = by_name.get(name, 0.0) + dur
+    if not spans:
+        return {"kernels": 0}
+    spans.sort()
+    busy, (low, high) = 0.0, spans[0]
+    for start, end in spans[1:]:
+        if start > high:
+            busy, low, high = busy + high - low, start, end
+        else:
+            high = max(high, end)
+    busy += high - low
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:6]
+    return {
+        "kernels": len(spans),
+        "busy_ms": round(busy / 1000, 1),
+        "span_ms": round((spans[-1][1] - spans[0][0]) / 1000, 1) if spans else 0,
+        "top": {name: round(us / 1000, 1) for name, us in top},
+    }
+
+
+def timeline_jobs(llm, name: str, repeats: int, few: list, params, path: str) -> None:
+    """Plain and steering runs under the engine's torch profiler: whether what a
+    lowered edit costs is the device's time (its kernels) or time the device
+    waits (gaps between steps). Each job is profiled alone; the device's busy
+    time and span come from the worker's trace."""
+    import glob
+
+    from vllm_nnsight_plugin import VLLM
+
+    model = VLLM(llm)
+    vector = unit_vector(path)
+    cpu_vector = vector.float().cpu()
+    u = vector / vector.norm()
+    steer(model, few[:4], 8, vector)  # warm-up: builds the worker's tree
+    project(model, few[:4], 8, remove(u))
+    jobs = {
+        "plain64": (CONCURRENT, lambda b: llm.generate(b, params, use_tqdm=False)),
+        "steer64": (CONCURRENT, lambda b: steer(model, b, TOKENS, vector)),
+        "docs64": (CONCURRENT, lambda b: steer_as_the_docs_write_it(model, b, TOKENS, cpu_vector)),
+        "remove64": (CONCURRENT, lambda b: project(model, b, TOKENS, remove(u))),
+        "plain256": (WIDE, lambda b: llm.generate(b, params, use_tqdm=False)),
+        "steer256": (WIDE, lambda b: steer(model, b, TOKENS, vector)),
+    }
+    for round_ in range(repeats):
+        for job, (n, run) in jobs.items():
+            batch = unique(n)
+            before = set(glob.glob(f"{TIMELINE_DIR}/**/*.json", recursive=True))
+            llm.start_profile(f"{job}-{round_}")
+            wall = timed(lambda b=batch, run=run: run(b))
+            llm.stop_profile()
+            found: list[str] = []
+            for _ in range(120):  # the worker writes its trace as it stops
+                found = sorted(set(glob.glob(f"{TIMELINE_DIR}/**/*.json", recursive=True)) - before)
+                if found:
+                    time.sleep(1.0)
+                    break
+                time.sleep(0.5)
+            seen = {}
+            for file in found:
+                try:
+                    seen = gpu_time(json.loads(Path(file).read_text()))
+                except (OSError, ValueError):
+                    continue
+                if seen.get("kernels"):
+                    break
+            for file in found:
+                Path(file).unlink(missing_ok=True)
+            result(
+                engine=name, job=f"{job}_timeline", wall_ms=round(1000 * wall, 1), files=len(found), **seen
+            )
 
 
 def at_taps_jobs(model, llm, name: str, repeats: int, few: list, params) -> None:
