@@ -1211,7 +1211,8 @@ def nnsight_engine(path: str) -> None:
 def profile_engine(path: str, graphs: bool = False, taps: bool = False) -> None:
     """Where a traced request's time goes: cProfile over engine and worker in one
     process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), each job split by entry point
-    (``profile_cpu.PARTS``) and by the functions with the most time of their own.
+    (``profile_cpu.PARTS``), by the functions with the most time of their own, and
+    by the plugin's functions with the most time in all (``<job>-plugin`` rows).
     Eager (``profile``): the sweep, ten one-token traces, and 64 steered requests
     x 32 tokens. Graphed (``profile-graphs``): the sweep, ten one-token traces and
     ten plain one-token calls beside them, and ten logit lenses. Tapped
@@ -1232,7 +1233,7 @@ def profile_engine(path: str, graphs: bool = False, taps: bool = False) -> None:
     from vllm_nnsight_plugin import VLLM
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from profile_cpu import split, top
+    from profile_cpu import plugin_parts, split, top
 
     name = "profile-taps" if taps else "profile-graphs" if graphs else "profile"
     extra = {"additional_config": {"nnsight_taps": TAPS if taps else "none"}}
@@ -1295,6 +1296,8 @@ def profile_engine(path: str, graphs: bool = False, taps: bool = False) -> None:
         result(engine=name, job=job, s=round(wall, 3), split_ms=split(profiler, wall))
         for row in top(profiler, 30):
             result(engine=name, job=f"{job}-top", row=row)
+        for row in plugin_parts(profiler):
+            result(engine=name, job=f"{job}-plugin", row=row)
 
 
 def hf_engine(path: str) -> None:
