@@ -176,6 +176,7 @@ def main() -> None:
     jobs = {  # (traced, plain); the blocks are the GPU benchmark's own
         "sweep": (lambda: blocks.sweep(model, ids(args.sweep)), lambda: plain(args.sweep, 1)),
         "forward": (lambda: blocks.trace1(model, ids(1)[0]), lambda: plain(1, 1)),
+        "lens": (lambda: blocks.lens(model, ids(1)[0]), lambda: plain(1, 1)),
         "steer": (lambda: blocks.steer(model, ids(args.batch), 16, vector), lambda: plain(args.batch, 16)),
         "capture": (lambda: blocks.capture(model, ids(args.batch), 16), lambda: plain(args.batch, 16)),
         "prompt_read": (
@@ -198,7 +199,7 @@ def main() -> None:
     for name in args.jobs.split(","):
         traced, untraced = jobs[name]
         untraced(), traced()  # warm-up (the worker builds its tree on the first block)
-        repeats = 20 if name == "forward" else 3
+        repeats = 20 if name in ("forward", "lens") else 3
         plain_s = statistics.median(_wall(untraced) for _ in range(repeats))
         traced_s = statistics.median(_wall(traced) for _ in range(repeats))
         profile = cProfile.Profile()

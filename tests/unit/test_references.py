@@ -71,3 +71,53 @@ def test_threads_serializing_at_once_each_send_references(trees):
         thread.join()
     assert failures == []
     assert not any("_persistent_id" in envoy.__dict__ for envoy in here.modules())
+
+
+def test_the_plugins_pickler_sends_references_without_tagging_an_envoy(trees):
+    """A trace's blocks go through the plugin's pickler, which asks the context for
+    references: the same bytes as tagged envoys give, and no envoy is touched."""
+    from vllm_nnsight_plugin.client._nnsight import canonical_dumps
+    from vllm_nnsight_plugin.wire.references import envoys_as_references, reference_of
+
+    here, there = trees
+    value = {"layer": here.model.layers[3], "root": here, "again": here.model.layers[3]}
+    with envoys_as_references(here):
+        assert reference_of(here.model.layers[3]) == "Envoy:model.model.layers.3"
+        assert not any("_persistent_id" in envoy.__dict__ for envoy in here.modules())
+        data = canonical_dumps(value)
+    with envoys_by_reference(here):
+        assert canonical_dumps(value) == data
+    assert reference_of(here.model.layers[3]) is None  # outside the context: as it is
+    assert reference_of(there.model.layers[3]) is None
+    found = loads(data, persistent_objects=envoy_references(there))
+    assert found["layer"] is there.model.layers[3] is found["again"]
+    assert found["root"] is there
+    with envoys_as_references(there):  # another model's envoys are not this one's
+        assert reference_of(here.model.layers[3]) is None
+        assert len(canonical_dumps({"layer": here.model.layers[3]})) > 2_000  # a copy, as nnsight sends it
+
+
+def test_references_belong_to_the_context_that_asked(trees):
+    """Another thread pickling at the same time is not in this thread's context."""
+    import threading
+
+    from vllm_nnsight_plugin.client._nnsight import canonical_dumps
+    from vllm_nnsight_plugin.wire.references import envoys_as_references
+
+    here, _ = trees
+    inside, outside = threading.Event(), threading.Event()
+    sizes = {}
+
+    def elsewhere() -> None:
+        inside.wait()
+        sizes["elsewhere"] = len(canonical_dumps({"layer": here.model.layers[2]}))
+        outside.set()
+
+    thread = threading.Thread(target=elsewhere)
+    thread.start()
+    with envoys_as_references(here):
+        inside.set()
+        outside.wait()
+        sizes["here"] = len(canonical_dumps({"layer": here.model.layers[2]}))
+    thread.join()
+    assert sizes["here"] < 2_000 < sizes["elsewhere"]

@@ -304,3 +304,40 @@ def test_an_entry_of_tensors_alone_takes_the_short_way_and_comes_back_the_same()
     assert not _only_tensors({**entry, "sequences": {0: {"saves": entry["saves"]}, 1: {}}})
     twice = travel({**entry, "saves": {"a": last, "b": last}})["saves"]
     assert twice["a"] is twice["b"]
+
+
+def test_a_pickled_pool_carries_its_flats_as_their_bytes_and_rebuilds_them_exactly():
+    """A pool's plain flat tensors travel as bytes: the same values, dtypes and
+    shapes come back, each writable and of its own storage; anything else (a
+    tensor of another dtype, a flat already sent another way) as it was."""
+    from vllm_nnsight_plugin.returns.pool import _as_bytes, _Bytes
+
+    flats = [
+        torch.randn(37, dtype=torch.bfloat16),
+        torch.randn(5),
+        torch.arange(-4, 4, dtype=torch.int64),
+        torch.tensor([True, False, True]),
+        torch.randn(3, dtype=torch.float16),
+        torch.empty(0),
+        torch.randn(4, dtype=torch.complex64),  # not a dtype pools send as bytes
+    ]
+    places = {i: (i, 0, tuple(flat.shape)) for i, flat in enumerate(flats)}
+    back = pickle.loads(pickle.dumps(Pool("p", flats, places)))
+    assert back.id == "p" and back.places == places
+    for got, want in zip(back.flats, flats):
+        assert got.dtype == want.dtype and got.shape == want.shape and got.device == want.device
+        assert torch.equal(got, want)
+        assert want.numel() == 0 or got.untyped_storage().data_ptr() != want.untyped_storage().data_ptr()
+    back.flats[0][0] = 1.0  # writable: a request's saves are the user's to change
+    assert isinstance(_as_bytes(flats[0]), _Bytes)
+    assert _as_bytes(flats[-1]) is flats[-1]
+    assert _as_bytes(torch.randn(2, 3)) is not None and not isinstance(_as_bytes(torch.randn(2, 3)), _Bytes)
+    assert not isinstance(_as_bytes(torch.randn(8)[::2]), _Bytes)  # not contiguous: as torch sends it
+    assert not isinstance(_as_bytes(torch.randn(3, requires_grad=True)), _Bytes)
+    # a whole collect through the worker's packing and the front end's merge
+    entries = {
+        f"r{i}": {"saves": {"row": torch.randn(16, dtype=torch.bfloat16)}, "error": None} for i in range(3)
+    }
+    merged = travel_all({rid: {**entry, "sequences": {}} for rid, entry in entries.items()})
+    for rid, entry in entries.items():
+        assert torch.equal(merged[rid]["saves"]["row"], entry["saves"]["row"])

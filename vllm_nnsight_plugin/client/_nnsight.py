@@ -51,6 +51,7 @@ from nnsight.intervention.tracer import InterleavingTracer  # noqa: F401 - the c
 from nnsight.tracing.tracer import Tracer
 
 from ..wire.canonical import canonical_storage
+from ..wire.references import reference_of
 
 #: ``(module, attribute)`` of every private nnsight name used here, checked by
 #: ``tests/unit/test_nnsight_seams.py``.
@@ -287,6 +288,7 @@ def _pure(value: Any) -> bool:
         kind in _PLAIN
         or kind is torch.Tensor
         or "_persistent_id" in getattr(value, "__dict__", {})  # pickled as a reference
+        or reference_of(value) is not None
         or isinstance(value, Tracer)
     )
 
@@ -324,7 +326,12 @@ def _dumps_memo(original: Any) -> Any:
 
 
 class _CanonicalPickler(serialization.CustomCloudPickler):
-    """nnsight's pickler, with each storage's bytes named by value (module docstring)."""
+    """nnsight's pickler, with each storage's bytes named by value (module docstring),
+    and the model's envoys as references where ``envoys_as_references`` says so."""
+
+    def persistent_id(self, obj: Any) -> Any:
+        found = super().persistent_id(obj)
+        return found if found is not None else reference_of(obj)
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, torch.storage.TypedStorage | torch.UntypedStorage):

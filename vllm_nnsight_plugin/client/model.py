@@ -33,6 +33,7 @@ import asyncio
 import atexit
 import difflib
 import functools
+import types
 import uuid
 import warnings
 from collections.abc import Callable
@@ -53,7 +54,7 @@ from ..taps.spec import CONFIG_KEY, engine_taps, parse, resolve, taps_for
 from ..versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT, UnsupportedVersion, check_nnsight
 from ..wire.edits import EDITS_KEY
 from ..wire.envelope import EXTRA_ARGS_KEY, seal
-from ..wire.references import envoys_by_reference
+from ..wire.references import envoy_of, envoys_as_references
 from ..wire.tree import TREE_VERSION, TreeError, load_tokenizer, rebuild
 from ..wire.trust import VOUCHED_KEY, Vouched, operator_key
 from ._nnsight import Envoy, InterleavingTracer, block_of, one_pickle_per_block, reattach_caches, reduce_once
@@ -97,8 +98,33 @@ def _untapped_message(location: str) -> str:
     )
 
 
+#: On a model: the prefix claims of blocks that capture nothing a caller can change
+#: (``VLLM._claim_last_rows``), and how many are kept.
+_CLAIMS = "_vllm_nnsight_claims"
+_CLAIMS_KEPT = 256
+
+
 def _plain_value(value: Any) -> bool:
     return value is None or type(value) in (bool, int, float, str, bytes)
+
+
+def _lasting_key(model: Any, source: str | None, used: list[tuple[str, Any]]) -> tuple | None:
+    """What a block's prefix claim depends on, where that outlives its trace: each
+    used name's value a plain one, one of ``model``'s envoys or a module (by
+    identity), or a tracer (by type: the claim asks only whether it is one);
+    None where any other value (a tensor, a list, a function) could change
+    between traces."""
+    parts = []
+    for name, value in used:
+        if _plain_value(value):
+            parts.append((name, type(value), value))
+        elif isinstance(value, types.ModuleType) or envoy_of(model, value):
+            parts.append((name, "object", id(value)))
+        elif isinstance(value, InterleavingTracer):
+            parts.append((name, "tracer", type(value)))
+        else:
+            return None
+    return (source, tuple(parts))
 
 
 def _say_result_unread(mediators: list, params: list) -> None:
@@ -308,7 +334,7 @@ class VLLM(Edits, _NNsightVLLM):
 
     def _attach_mediators(self, params: list, **kwargs: Any) -> list:
         reduce_once()  # one reduction per with-block, not per invoke (``_nnsight.py``)
-        with envoys_by_reference(self), one_pickle_per_block(), vllm_stand_ins():
+        with envoys_as_references(self), one_pickle_per_block(), vllm_stand_ins():
             attached = super()._attach_mediators(params, **kwargs)
         _seal_params(params, len(attached), SERVER_KEY.get())
         self._claim_last_rows(attached, params)
@@ -330,19 +356,19 @@ class VLLM(Edits, _NNsightVLLM):
         module_at = modules_of(meta)
 
         known: dict[tuple, str | None] = {}  # invokes of one block with the same captured objects
+        lasting: dict[tuple, tuple] = self.__dict__.setdefault(_CLAIMS, {})
+        if len(lasting) > _CLAIMS_KEPT:
+            lasting.clear()
 
         def qualifies(mediator: Any) -> str | None:
             source, scope = block_of(mediator)
             # the values of the names the block uses: a plain one by its value (an
             # ``if`` on it picks what the block does), any other by its identity
-            key = (
-                source,
-                tuple(
-                    (name, scope[name] if _plain_value(scope[name]) else id(scope[name]))
-                    for name in names_used(source)
-                    if name in scope
-                ),
-            )
+            used = [(name, scope[name]) for name in names_used(source) if name in scope]
+            key = (source, tuple((name, v if _plain_value(v) else id(v)) for name, v in used))
+            lasting_key = _lasting_key(self, source, used)
+            if lasting_key is not None and lasting_key in lasting:
+                return lasting[lasting_key][0]
             if key not in known:
                 if last_rows_only(source, scope, self, module_at, InterleavingTracer):
                     known[key] = LAST_ROWS
@@ -350,6 +376,9 @@ class VLLM(Edits, _NNsightVLLM):
                     known[key] = SAME_EDIT
                 else:
                     known[key] = None
+            if lasting_key is not None:  # the objects its ids name are held with it
+                held = tuple(v for _, v in used if isinstance(v, types.ModuleType) or envoy_of(self, v))
+                lasting[lasting_key] = (known[key], held)
             return known[key]
 
         try:
@@ -536,6 +565,7 @@ class VLLM(Edits, _NNsightVLLM):
         state["_given_llm"] = None
         state["_served"] = None  # holds the operator's key
         state.pop("_vllm_nnsight_references", None)  # a cache (``wire/references.py``)
+        state.pop(_CLAIMS, None)  # a cache (``_claim_last_rows``)
         return state
 
 

@@ -57,6 +57,13 @@ class Pool:
     #: per mapped flat, the part of it last copied to its device: (low, high, tensor)
     windows: dict[int, tuple[int, int, Any]] = field(default_factory=dict, repr=False)
 
+    def __reduce__(self) -> tuple:
+        """Pickled with each plain flat tensor as its values' bytes (:class:`_Bytes`):
+        torch's own pickling of a tensor, a nested ``torch.save``, costs more than
+        the copy itself, and it was the largest step of a one-token trace's saves
+        on their way home."""
+        return (_pool, (self.id, [_as_bytes(flat) for flat in self.flats], self.places))
+
     def share(self, lend: bool = False) -> None:
         """Leave each large flat tensor where the front end can read it without
         pickling (the worker, before sending): on its GPU when ``lend`` allows
@@ -137,6 +144,64 @@ class Pool:
             index: owned[flat][start - bounds[flat][0] : end - bounds[flat][0]].view(shape)
             for index, (flat, start, end, shape) in spans.items()
         }
+
+
+@dataclass(frozen=True)
+class _Bytes:
+    """A flat tensor as a pickled :class:`Pool` carries it: its values' bytes, and
+    the dtype and device it is rebuilt with."""
+
+    data: bytes
+    dtype: str
+    device: str
+
+
+#: The dtypes a flat tensor travels as bytes in (any other: as torch pickles it).
+_DTYPES = (
+    "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"
+)  # fmt: skip
+
+
+def _as_bytes(flat: Any) -> Any:
+    """A plain one-dimensional tensor as :class:`_Bytes`; anything else as it is."""
+    import torch
+
+    if not (
+        type(flat) is torch.Tensor
+        and flat.layout is torch.strided
+        and flat.dim() == 1
+        and flat.is_contiguous()
+        and not flat.requires_grad
+        and str(flat.dtype).removeprefix("torch.") in _DTYPES
+    ):
+        return flat
+    host = flat.detach().to("cpu")
+    return _Bytes(
+        host.view(torch.uint8).numpy().tobytes(), str(flat.dtype).removeprefix("torch."), str(flat.device)
+    )
+
+
+def _from_bytes(flat: Any) -> Any:
+    """:func:`_as_bytes` undone: a tensor of its own, writable, on its device."""
+    import torch
+
+    if not isinstance(flat, _Bytes):
+        return flat
+    dtype = getattr(torch, flat.dtype) if flat.dtype in _DTYPES else None
+    if dtype is None:
+        raise ValueError(f"a pooled tensor of dtype {flat.dtype!r}, which no pool sends")
+    raw = (
+        torch.frombuffer(bytearray(flat.data), dtype=torch.uint8)
+        if flat.data
+        else torch.empty(0, dtype=torch.uint8)
+    )
+    tensor = raw.view(dtype)
+    return tensor if flat.device == "cpu" else tensor.to(flat.device)
+
+
+def _pool(pool_id: str, flats: list, places: dict) -> Pool:
+    """A :class:`Pool` as it was pickled (``Pool.__reduce__``)."""
+    return Pool(pool_id, [_from_bytes(flat) for flat in flats], places)
 
 
 @dataclass(frozen=True)
