@@ -295,7 +295,11 @@ def test_an_entry_of_tensors_alone_takes_the_short_way_and_comes_back_the_same()
     assert not _only_tensors({**entry, "saves": {"a": last, "rows": [kept]}})
     assert not _only_tensors({**entry, "error": {"type_name": "ValueError"}})
     assert not _only_tensors({**entry, "edits": {"e": kept}})
-    assert not _only_tensors({**entry, "saves": {}})
+    empty = {**entry, "saves": {}, "sequences": {0: {"saves": {}, "edits": {}}}}
+    assert _only_tensors({**entry, "saves": {}})  # a lowered edit's reply: nothing to pool
+    assert not _only_tensors(empty)  # (sequence 0's dicts are not the flat ones)
+    assert travel({**entry, "saves": {}})["saves"] == general({**entry, "saves": {}})["saves"] == {}
+    assert not _only_tensors({k: v for k, v in entry.items() if k != "saves"})
     assert not _only_tensors({**entry, "other": object()})  # anything else: the general path
     one = {**entry, "sequences": {0: {"saves": entry["saves"], "edits": entry["edits"]}}}
     assert _only_tensors(one)  # sequence 0's dicts are the flat ones (nnsight's reply)

@@ -67,6 +67,21 @@ def _pick(lowered: Lowered) -> tuple[int, int]:
     return _ROW, lowered.select
 
 
+def _put(rows: torch.Tensor, host: torch.Tensor | None, slot: int, value: torch.Tensor) -> None:
+    """Write ``value`` (any float dtype, any device) into row ``slot`` of ``rows``.
+
+    From the host, through the row's pinned copy ``host`` and an upload that does
+    not wait: the row it overwrites is no request's (a row is taken again only
+    once its request is gone), and the steps that read it are queued after the
+    upload. On the device already, a copy queued like any kernel."""
+    value = value.detach().reshape(-1)
+    if host is None or value.device.type != "cpu":
+        rows[slot].copy_(value)
+        return
+    host[slot].copy_(value)
+    rows[slot].copy_(host[slot], non_blocking=True)
+
+
 class TapTables:
     """The per-row tables every tap reads, and the requests lowered onto them."""
 
@@ -129,6 +144,11 @@ class TapTables:
         self.bank = torch.zeros((bank_rows, hidden), dtype=torch.float32, device=self.device)
         #: per bank row: which edit it makes, and the edit's bounds (``ops.steer``)
         self.how = torch.zeros((bank_rows, 4), dtype=torch.float32, device=self.device)
+        #: pinned copies of both, from which a request's rows go up without waiting:
+        #: a copy from pageable memory waits for all the device work queued before it,
+        #: so each steering request admitted would stall the step in flight
+        self._bank_host = self.bank.cpu().pin_memory() if cuda else None
+        self._how_host = self.how.cpu().pin_memory() if cuda else None
         self.bank_free = list(range(bank_rows - 1, -1, -1))
         memory = torch.cuda.get_device_properties(self.device).total_memory if cuda else 0
         rows = store_size or store_rows(hidden * dtype.itemsize, cuda, memory)
@@ -217,15 +237,20 @@ class TapTables:
         entry = lowered.entry = self.free.pop()
         if vector is not None:
             slot = lowered.slot = self.bank_free.pop()
-            self.bank[slot].copy_(vector.detach().reshape(-1).to(torch.float32))
+            _put(self.bank, self._bank_host, slot, vector)
             if how[0] == ops.PATCH:  # the rows its values are in: its own, and one for the residual
                 if residual is not None:
                     lowered.slot2 = self.bank_free.pop()
-                    self.bank[lowered.slot2].copy_(residual.detach().reshape(-1).to(torch.float32))
+                    _put(self.bank, self._bank_host, lowered.slot2, residual)
                 how = (ops.PATCH, slot if how[1] >= 0 else -1, lowered.slot2)
             elif how[0] == ops.PATCH_COLUMNS:  # its columns' values are in its own row
                 how = (ops.PATCH_COLUMNS, slot, *how[2:])
-            self.how[slot] = torch.tensor((*how, 0.0, 0.0, 0.0, 0.0)[:4], dtype=torch.float32)
+            _put(
+                self.how,
+                self._how_host,
+                slot,
+                torch.tensor((*how, 0.0, 0.0, 0.0, 0.0)[:4], dtype=torch.float32),
+            )
         self._kind[entry] = 1 if lowered.code else 0
         self._site[entry] = lowered.site
         self._value[entry] = lowered.code or lowered.slot

@@ -120,13 +120,18 @@ _PLAIN_KEYS = frozenset({"saves", "error", "edits", "sequences", "path"})
 
 def _only_tensors(entry: dict) -> bool:
     """An entry whose saves are tensors the pool rebuilds exactly, each of a storage
-    of its own, and nothing else of the block's (no error, no edits' saves, one
-    sequence, whose dicts are the flat ones): the most common reply (a lowered
-    read), for which finding shared tensors and stacking lists would find none,
-    and whose pickling runs no code of the block's. Anything else takes the
-    general path."""
+    of its own, or none at all, and nothing else of the block's (no error, no
+    edits' saves, one sequence, whose dicts are the flat ones): the most common
+    replies (a lowered read's; a lowered edit's, which saves nothing), for which
+    finding shared tensors and stacking lists would find none, and whose
+    pickling runs no code of the block's. Anything else takes the general path."""
     saves = entry.get("saves")
-    if not saves or entry.get("error") is not None or entry.get("edits") or not entry.keys() <= _PLAIN_KEYS:
+    if (
+        saves is None
+        or entry.get("error") is not None
+        or entry.get("edits")
+        or not entry.keys() <= _PLAIN_KEYS
+    ):
         return False
     sequences = entry.get("sequences") or {}
     if sequences and (

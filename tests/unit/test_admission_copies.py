@@ -1,4 +1,4 @@
-"""A lowered block's copy for each request (no engine)."""
+"""What a lowered request's admission copies: its block, and its vector into the bank (no engine)."""
 
 from __future__ import annotations
 
@@ -26,3 +26,24 @@ def test_a_blocks_copy_for_a_request_is_what_dataclasses_replace_gives():
     assert block.lowered.entry == -1
     for kind in (LoweredBlock, Lowered):
         assert not hasattr(kind, "__post_init__") and not hasattr(kind, "__slots__")
+
+
+def test_a_requests_bank_row_is_written_through_its_pinned_copy_without_waiting():
+    """``_put``: a vector from the host goes through the row's pinned copy (on a
+    GPU, an upload that does not wait for the step in flight); one on the device
+    is copied there. Either way the row holds the vector in float32, and no other
+    row changes."""
+    import torch
+
+    from vllm_nnsight_plugin.taps.install import _put
+
+    vector = torch.randn(16).to(torch.bfloat16)
+    for host in (None, torch.zeros(4, 16)):
+        rows = torch.zeros(4, 16)
+        _put(rows, host, 2, vector)
+        assert torch.equal(rows[2], vector.float())
+        assert rows[[0, 1, 3]].abs().sum() == 0
+        if host is not None:
+            assert torch.equal(host[2], vector.float())
+        _put(rows, host, 2, torch.ones(1, 16, dtype=torch.float64))  # the row taken again
+        assert torch.equal(rows[2], torch.ones(16))
