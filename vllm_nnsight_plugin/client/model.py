@@ -366,17 +366,18 @@ class VLLM(Edits, _NNsightVLLM):
             # ``if`` on it picks what the block does), any other by its identity
             used = [(name, scope[name]) for name in names_used(source) if name in scope]
             key = (source, tuple((name, v if _plain_value(v) else id(v)) for name, v in used))
+            if key in known:
+                return known[key]
             lasting_key = _lasting_key(self, source, used)
             if lasting_key is not None and lasting_key in lasting:
-                return lasting[lasting_key][0]
-            if key not in known:
-                if last_rows_only(source, scope, self, module_at, InterleavingTracer):
-                    known[key] = LAST_ROWS
-                elif one_edit_every_step(source, scope, self, module_at, InterleavingTracer):
-                    known[key] = SAME_EDIT
-                else:
-                    known[key] = None
-            if lasting_key is not None:  # the objects its ids name are held with it
+                known[key] = lasting[lasting_key][0]
+            elif last_rows_only(source, scope, self, module_at, InterleavingTracer):
+                known[key] = LAST_ROWS
+            elif one_edit_every_step(source, scope, self, module_at, InterleavingTracer):
+                known[key] = SAME_EDIT
+            else:
+                known[key] = None
+            if lasting_key is not None and lasting_key not in lasting:  # with the objects its ids name
                 held = tuple(v for _, v in used if isinstance(v, types.ModuleType) or envoy_of(self, v))
                 lasting[lasting_key] = (known[key], held)
             return known[key]
