@@ -41,7 +41,8 @@ tapped, the probe), and a plain one-token call, a one-token trace and the lens i
 turn, ``--repeats`` rounds: ratios that a drift of the machine between runs moves
 on both sides; ``GPU_BENCH_PAIRED=steer,sweep`` picks some of its jobs; ``timeline``:
 plain and steering runs under the engine's torch profiler, each with the device's
-busy time and span, so a cost can be told apart as kernels or as waiting).
+busy time and span, so a cost can be told apart as kernels or as waiting; ``checks``:
+lowered edits against the same blocks as Python, greedy tokens, on the tapped engine).
 ``GPU_BENCH_REAL=1`` loads real weights (e.g. SmolLM2) instead of dummy ones;
 ``GPU_BENCH_SMALL=1`` shrinks everything for a dry run of the script on a CPU.
 
@@ -722,6 +723,9 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
     if timeline:
         timeline_jobs(llm, name, repeats, few, params, path)
         return
+    if os.environ.get("GPU_BENCH_JOBS") == "checks" and kind == "taps":
+        check_jobs(llm, name, few, path)
+        return
 
     for _ in range(repeats):
         result(engine=name, job="plain", tok_s=round(CONCURRENT * TOKENS / plain(unique(CONCURRENT)), 1))
@@ -993,6 +997,78 @@ def paired_jobs(model, llm, name: str, repeats: int, few: list, params, path: st
             engine=name,
             job="latency_pair",
             **{job: round(1000 * statistics.median(w), 2) for job, w in walls.items()},
+        )
+
+
+def docs_tokens(model, batch, tokens, vector, python: bool) -> list[list[int]]:
+    """The docs' steering loop (a host vector moved with ``.to(hidden)``), lowered,
+    or as Python (a read that is no tap beside it); each request's tokens."""
+    layer = model.model.layers[LAYER]
+    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+        for ids in batch:
+            with tracer.invoke(ids):
+                if python:
+                    model.model.embed_tokens.output.clone()
+                for _ in tracer.iter[:tokens]:
+                    hidden = layer.output[0]
+                    hidden[:] += 1.0 * vector.to(hidden)
+                out = tracer.result.save()
+    return [list(o.outputs[0].token_ids) for o in out]
+
+
+def check_jobs(llm, name: str, few: list, path: str) -> None:
+    """Lowered against Python on this engine, greedy tokens of 8 prompts: steering
+    with a device vector and with the docs' host vector (whose bank row goes up
+    from pinned memory), a direction clamped, patching (two bank rows a request).
+    Each row: how many requests drew the same tokens both ways, how many the edit
+    moved from plain, and how many blocks were lowered."""
+    from vllm import SamplingParams
+
+    from vllm_nnsight_plugin import VLLM
+
+    model = VLLM(llm)
+    batch = few[:8]
+    plain = [
+        list(o.outputs[0].token_ids)
+        for o in llm.generate(
+            batch,
+            SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False),
+            use_tqdm=False,
+        )
+    ]
+    big = 100 * unit_vector(path)  # large enough to change greedy tokens
+    u = big / big.norm()
+    rows = clean_rows(model, few[0])
+    checks = {
+        "steer_device": (
+            lambda: steer_tokens(model, batch, 16, big),
+            lambda: steer_tokens_python(model, batch, 16, big),
+        ),
+        "steer_host": (
+            lambda: docs_tokens(model, batch, 16, big.float().cpu(), False),
+            lambda: docs_tokens(model, batch, 16, big.float().cpu(), True),
+        ),
+        "clamp": (
+            lambda: project_tokens(model, batch, 16, clamp(u, least=8.0)),
+            lambda: project_tokens_python(model, batch, 16, clamp(u, least=8.0)),
+        ),
+        "patch": (
+            lambda: patched_tokens(model, batch, rows, False),
+            lambda: patched_tokens(model, batch, rows, True),
+        ),
+    }
+    for job, (lowered_run, python_run) in checks.items():
+        (before,) = llm.collective_rpc("nnsight_stats")
+        lowered = lowered_run()
+        (after,) = llm.collective_rpc("nnsight_stats")
+        python = python_run()
+        result(
+            engine=name,
+            job=f"check_{job}",
+            same_tokens=sum(a == b for a, b in zip(lowered, python)),
+            moved=sum(a != b for a, b in zip(lowered, plain)),
+            lowered=after["lowered"] - before["lowered"],
+            of=len(batch),
         )
 
 
