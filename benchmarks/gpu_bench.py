@@ -338,6 +338,14 @@ def steer_and_draw(model, batch, tokens, vector) -> list[list[int]]:
     return [list(d) for d in drawn] if len(batch) > 1 else [list(drawn)]
 
 
+def plain_tokens(llm, batch, tokens) -> list[list[int]]:
+    """Each prompt's greedy tokens with no block (what an edit is checked to move)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(batch, params, use_tqdm=False)]
+
+
 def steer_tokens(model, batch, tokens, vector) -> list[list[int]]:
     """The steering block (lowered on a tapped engine); each request's tokens."""
     layer = model.model.layers[LAYER]
@@ -793,14 +801,7 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
         lowered_ids = steer_tokens(model, few[:8], 16, big)
         python_ids = steer_tokens_python(model, few[:8], 16, big)
         (after,) = llm.collective_rpc("nnsight_stats")
-        plain_ids = [
-            list(o.outputs[0].token_ids)
-            for o in llm.generate(
-                few[:8],
-                SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False),
-                use_tqdm=False,
-            )
-        ]
+        plain_ids = plain_tokens(llm, few[:8], 16)
         result(
             engine=name,
             job="taps_check",
@@ -839,14 +840,7 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
         strong = clamp(u, least=8.0)  # held high enough to change greedy tokens
         lowered_ids = project_tokens(model, few[:8], 16, strong)
         python_ids = project_tokens_python(model, few[:8], 16, strong)
-        plain_ids = [
-            list(o.outputs[0].token_ids)
-            for o in llm.generate(
-                few[:8],
-                SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False),
-                use_tqdm=False,
-            )
-        ]
+        plain_ids = plain_tokens(llm, few[:8], 16)
         result(
             engine=name,
             job="project_check",
@@ -1022,20 +1016,11 @@ def check_jobs(llm, name: str, few: list, path: str) -> None:
     from pinned memory), a direction clamped, patching (two bank rows a request).
     Each row: how many requests drew the same tokens both ways, how many the edit
     moved from plain, and how many blocks were lowered."""
-    from vllm import SamplingParams
-
     from vllm_nnsight_plugin import VLLM
 
     model = VLLM(llm)
     batch = few[:8]
-    plain = [
-        list(o.outputs[0].token_ids)
-        for o in llm.generate(
-            batch,
-            SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False),
-            use_tqdm=False,
-        )
-    ]
+    plain = plain_tokens(llm, batch, 16)
     big = 100 * unit_vector(path)  # large enough to change greedy tokens
     u = big / big.norm()
     rows = clean_rows(model, few[0])

@@ -108,23 +108,25 @@ def _plain_value(value: Any) -> bool:
     return value is None or type(value) in (bool, int, float, str, bytes)
 
 
-def _lasting_key(model: Any, source: str | None, used: list[tuple[str, Any]]) -> tuple | None:
+def _lasting_key(model: Any, source: str | None, used: list[tuple[str, Any]]) -> tuple[tuple, tuple] | None:
     """What a block's prefix claim depends on, where that outlives its trace: each
     used name's value a plain one, one of ``model``'s envoys or a module (by
     identity), or a tracer (by type: the claim asks only whether it is one);
     None where any other value (a tensor, a list, a function) could change
-    between traces."""
-    parts = []
+    between traces. With the key, the objects its identities name (to be held
+    with it, so no id is another object's while it is kept)."""
+    parts, held = [], []
     for name, value in used:
         if _plain_value(value):
             parts.append((name, type(value), value))
         elif isinstance(value, types.ModuleType) or envoy_of(model, value):
             parts.append((name, "object", id(value)))
+            held.append(value)
         elif isinstance(value, InterleavingTracer):
             parts.append((name, "tracer", type(value)))
         else:
             return None
-    return (source, tuple(parts))
+    return (source, tuple(parts)), tuple(held)
 
 
 def _say_result_unread(mediators: list, params: list) -> None:
@@ -368,7 +370,7 @@ class VLLM(Edits, _NNsightVLLM):
             key = (source, tuple((name, v if _plain_value(v) else id(v)) for name, v in used))
             if key in known:
                 return known[key]
-            lasting_key = _lasting_key(self, source, used)
+            lasting_key, held = _lasting_key(self, source, used) or (None, ())
             if lasting_key is not None and lasting_key in lasting:
                 known[key] = lasting[lasting_key][0]
             elif last_rows_only(source, scope, self, module_at, InterleavingTracer):
@@ -377,8 +379,7 @@ class VLLM(Edits, _NNsightVLLM):
                 known[key] = SAME_EDIT
             else:
                 known[key] = None
-            if lasting_key is not None and lasting_key not in lasting:  # with the objects its ids name
-                held = tuple(v for _, v in used if isinstance(v, types.ModuleType) or envoy_of(self, v))
+            if lasting_key is not None and lasting_key not in lasting:
                 lasting[lasting_key] = (known[key], held)
             return known[key]
 

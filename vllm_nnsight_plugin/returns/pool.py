@@ -149,17 +149,21 @@ class Pool:
 @dataclass(frozen=True)
 class _Bytes:
     """A flat tensor as a pickled :class:`Pool` carries it: its values' bytes, and
-    the dtype and device it is rebuilt with."""
+    the dtype and device it is rebuilt with (as ``shared.SharedFlat`` names them)."""
 
     data: bytes
-    dtype: str
+    dtype: Any
     device: str
 
 
-#: The dtypes a flat tensor travels as bytes in (any other: as torch pickles it).
-_DTYPES = (
-    "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"
-)  # fmt: skip
+def _dtypes() -> frozenset:
+    """The dtypes a flat tensor travels as bytes in (any other: as torch pickles it)."""
+    import torch
+
+    return frozenset(
+        (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32)
+        + (torch.int16, torch.int8, torch.uint8, torch.bool)
+    )
 
 
 def _as_bytes(flat: Any) -> Any:
@@ -172,13 +176,11 @@ def _as_bytes(flat: Any) -> Any:
         and flat.dim() == 1
         and flat.is_contiguous()
         and not flat.requires_grad
-        and str(flat.dtype).removeprefix("torch.") in _DTYPES
+        and flat.dtype in _dtypes()
     ):
         return flat
     host = flat.detach().to("cpu")
-    return _Bytes(
-        host.view(torch.uint8).numpy().tobytes(), str(flat.dtype).removeprefix("torch."), str(flat.device)
-    )
+    return _Bytes(host.view(torch.uint8).numpy().tobytes(), flat.dtype, str(flat.device))
 
 
 def _from_bytes(flat: Any) -> Any:
@@ -187,15 +189,12 @@ def _from_bytes(flat: Any) -> Any:
 
     if not isinstance(flat, _Bytes):
         return flat
-    dtype = getattr(torch, flat.dtype) if flat.dtype in _DTYPES else None
-    if dtype is None:
+    if flat.dtype not in _dtypes():
         raise ValueError(f"a pooled tensor of dtype {flat.dtype!r}, which no pool sends")
-    raw = (
-        torch.frombuffer(bytearray(flat.data), dtype=torch.uint8)
-        if flat.data
-        else torch.empty(0, dtype=torch.uint8)
-    )
-    tensor = raw.view(dtype)
+    if flat.data:
+        tensor = torch.frombuffer(bytearray(flat.data), dtype=flat.dtype)
+    else:
+        tensor = torch.empty(0, dtype=flat.dtype)
     return tensor if flat.device == "cpu" else tensor.to(flat.device)
 
 

@@ -65,20 +65,22 @@ def envoys_as_references(model: Any) -> Iterator[None]:
         _AS_REFERENCES.reset(token)
 
 
+def _reference_in(found: dict[int, tuple[Any, str]], obj: Any) -> str | None:
+    """``obj``'s id in a model's :func:`_references`, if it is that very envoy."""
+    kept = found.get(id(obj))
+    return kept[1] if kept is not None and kept[0] is obj else None
+
+
 def envoy_of(model: Any, obj: Any) -> bool:
     """Whether ``obj`` is one of ``model``'s envoys (held by the model for its life)."""
-    kept = _references(model).get(id(obj))
-    return kept is not None and kept[0] is obj
+    return _reference_in(_references(model), obj) is not None
 
 
 def reference_of(obj: Any) -> str | None:
     """The id ``obj`` travels as, if it is an envoy of the model of the current
     :func:`envoys_as_references`; else None."""
     found = _AS_REFERENCES.get()
-    if found is None:
-        return None
-    kept = found.get(id(obj))
-    return kept[1] if kept is not None and kept[0] is obj else None
+    return None if found is None else _reference_in(found, obj)
 
 
 #: Per model: how many threads are serializing blocks against it now, and the
