@@ -114,7 +114,9 @@ def main() -> None:
         "--every-layer", action="store_true", help="tap every decoder layer (the probe needs it)"
     )
     parser.add_argument("--batch", type=int, default=64, help="requests in the steer and capture jobs")
-    parser.add_argument("--dump", help="folder to write each job's pstats file to")
+    parser.add_argument(
+        "--dump", help="folder to write each job's pstats files to (NAME.pstats, NAME-plain.pstats)"
+    )
     args = parser.parse_args()
 
     import torch
@@ -204,9 +206,12 @@ def main() -> None:
         traced_s = statistics.median(_wall(traced) for _ in range(repeats))
         profile = cProfile.Profile()
         profiled_s = _wall(functools.partial(profile.runcall, traced))
-        if args.dump:
+        if args.dump:  # with the plain run's profile, to compare function by function
             Path(args.dump).mkdir(parents=True, exist_ok=True)
             profile.dump_stats(Path(args.dump) / f"{name}.pstats")
+            plain_profile = cProfile.Profile()
+            plain_profile.runcall(untraced)
+            plain_profile.dump_stats(Path(args.dump) / f"{name}-plain.pstats")
         print(
             "RESULT "
             + json.dumps(

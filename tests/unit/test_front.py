@@ -213,3 +213,16 @@ def test_an_aborted_traced_request_is_wound_up_on_the_workers():
     front.aborted(engine, ["traced", "unknown"])
     front.aborted(engine, ["traced"])
     assert engine.calls == [(rpc.COLLECT, ["traced"])]
+
+
+def test_params_built_for_one_request_each_are_copied_shallow_by_the_engine():
+    """A trace's invokes each build their own params; marked as vLLM's OpenAI server
+    marks its own, the engine's copy of each is shallow (unmarked: deep)."""
+    from vllm_nnsight_plugin.seams.frontend import built_for_one_request
+
+    params = [SamplingParams(max_tokens=2, stop=["x"]), SamplingParams(max_tokens=3)]
+    assert params[0].clone().stop is not params[0].stop
+    built_for_one_request(params)
+    assert all(param.skip_clone for param in params)
+    copy = params[0].clone()
+    assert copy is not params[0] and copy.stop is params[0].stop and copy.max_tokens == 2

@@ -48,7 +48,7 @@ from .. import seams
 from ..plugin import _disabled, switched_off
 from ..prefix import CLAIM_KEY, LAST_ROWS, SAME_EDIT, last_rows_only, names_used, one_edit_every_step
 from ..returns.outputs import RESULT_KEY, UNREAD
-from ..seams.frontend import config_of, cuda_with_triton, model_path_of
+from ..seams.frontend import built_for_one_request, config_of, cuda_with_triton, model_path_of
 from ..taps.source import handed_in, operations_in
 from ..taps.spec import CONFIG_KEY, engine_taps, parse, resolve, taps_for
 from ..versions import PLUGIN_VERSION, SUPPORTED_NNSIGHT, UnsupportedVersion, check_nnsight
@@ -312,6 +312,7 @@ class VLLM(Edits, _NNsightVLLM):
         """Run the engine; the plugin puts each request's saves on its output. A
         trace of several requests shows vLLM's progress bar unless ``use_tqdm=False``."""
         mediators = self._attach_mediators(params, **kwargs)
+        built_for_one_request(params)  # made by this trace's invokes, one each (``_batch``)
         outputs = self.vllm_entrypoint.generate(
             prompts,
             sampling_params=params,
