@@ -12,12 +12,19 @@ from vllm_nnsight_plugin.returns.outputs import merge_replies
 from vllm_nnsight_plugin.returns.pool import Pool, Pooler
 from vllm_nnsight_plugin.returns.stacked import Stacked, stack_entry, stackable
 from vllm_nnsight_plugin.wire.envelope import Limits
-from vllm_nnsight_plugin.worker.collect import pack, pool_part
+from vllm_nnsight_plugin.worker.collect import pack, pack_all, pool_part
 
 
 def travel_all(entries: dict, limits: Limits | None = None) -> dict:
     """Entries of one collect through the worker's packing (stacked lists, one
-    pool of tensors) and the front end's merge."""
+    pool of tensors, replies of tensors alone in one part) and the front end's merge."""
+    pooler = Pooler()
+    parts = pack_all(list(entries), entries, limits or Limits(), None, pooler)
+    return merge_replies([parts + pool_part(pooler)])
+
+
+def travel_each(entries: dict, limits: Limits | None = None) -> dict:
+    """The same, each request packed on its own."""
     pooler = Pooler()
     parts = [pack(rid, entry, limits or Limits(), None, pooler) for rid, entry in entries.items()]
     return merge_replies([parts + pool_part(pooler)])
@@ -345,3 +352,49 @@ def test_a_pickled_pool_carries_its_flats_as_their_bytes_and_rebuilds_them_exact
     merged = travel_all({rid: {**entry, "sequences": {}} for rid, entry in entries.items()})
     for rid, entry in entries.items():
         assert torch.equal(merged[rid]["saves"]["row"], entry["saves"]["row"])
+
+
+def test_replies_of_tensors_alone_share_one_part_and_come_back_as_packed_one_by_one():
+    """A collect's replies of tensors alone travel in one part; what comes home is
+    what packing each on its own brings: the same values, each request's tensors
+    in storage of its own, and a request over the save limit fails alone."""
+    rows = torch.randn(6, 32)
+
+    def kept(i: int) -> dict:
+        saves, edits = {"last": rows[i].clone()}, {}  # sequence 0's dicts are the flat ones, as nnsight's
+        return {
+            "saves": saves,
+            "error": None,
+            "edits": edits,
+            "sequences": {0: {"saves": saves, "edits": edits}},
+        }
+
+    entries = {f"r{i}": kept(i) for i in range(4)}
+    entries["listed"] = {
+        "saves": {"rows": [rows[4:5].clone(), rows[5:6].clone()]},
+        "error": None,
+        "sequences": {},
+    }
+    entries["big"] = {"saves": {"big": torch.randn(64, 1024)}, "error": None, "edits": {}, "sequences": {}}
+    entries["edit"] = {"saves": {}, "error": None, "edits": {}, "sequences": {}, "path": ("lowered", "steer")}
+    limits = Limits(max_save_bytes=64 * 1024 * 4 + 1000)  # "big" is within the limit, not its margin
+    pooler = Pooler()
+    parts = pack_all(list(entries), entries, limits, None, pooler)
+    assert len(parts) == 3  # the listed rows and the big tensor on their own; the rest in one
+    together, each = travel_all(entries, limits), travel_each(entries, limits)
+    assert set(together) == set(each) == set(entries)
+    for rid in entries:
+        assert together[rid]["error"] == each[rid]["error"] and together[rid]["path"] == each[rid]["path"]
+        for key in ("saves", "edits"):
+            assert together[rid][key].keys() == each[rid][key].keys()
+        assert together[rid]["sequences"].keys() == each[rid]["sequences"].keys()
+    for i in range(4):
+        back = together[f"r{i}"]
+        assert torch.equal(back["saves"]["last"], rows[i]) and torch.equal(
+            back["sequences"][0]["last"], rows[i]
+        )
+    assert len({together[f"r{i}"]["saves"]["last"].untyped_storage().data_ptr() for i in range(4)}) == 4
+    assert torch.equal(together["big"]["saves"]["big"], entries["big"]["saves"]["big"])
+    over = Limits(max_save_bytes=100)
+    failed = travel_all({"r0": kept(0), "r1": {"saves": {}, "error": None, "sequences": {}}}, over)
+    assert "over this engine's limit" in str(failed["r0"]["error"]) and failed["r1"]["error"] is None

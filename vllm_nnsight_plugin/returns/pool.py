@@ -259,6 +259,24 @@ class Pooler:
         }
         return swapped, taken
 
+    def swap_plain(self, entry: dict) -> tuple[dict, dict[int, Any]]:
+        """:meth:`swap` for an entry whose saves are distinct poolable tensors, with no
+        edits' saves and at most sequence 0, whose dicts are the flat ones (the
+        collect's short way, ``worker/collect._only_tensors``): the same result,
+        without the general walk's memos."""
+        taken: dict[int, Any] = {}
+        saves: dict[str, Pooled] = {}
+        start = len(self.tensors)
+        for name, tensor in entry["saves"].items():
+            index = start + len(taken)
+            taken[index] = tensor
+            saves[name] = Pooled(self.id, index)
+        swapped = dict(entry)
+        swapped["saves"], swapped["edits"] = saves, {}
+        sequences = entry.get("sequences") or {}
+        swapped["sequences"] = {0: {**sequences[0], "saves": saves, "edits": {}}} if sequences else {}
+        return swapped, taken
+
     def add(self, taken: dict[int, Any]) -> None:
         self.tensors.update(taken)
 

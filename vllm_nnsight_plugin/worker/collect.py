@@ -57,6 +57,47 @@ def wind_up(
     return entries
 
 
+def pack_all(
+    request_ids: list[str],
+    entries: dict[str, dict],
+    limits: Limits,
+    compiled_miss: str | None,
+    pooler: Pooler,
+    watch: Watchdog | None = None,
+) -> list[bytes]:
+    """The collect's reply parts: each request packed by :func:`pack`, except the
+    replies of tensors alone (:func:`_only_tensors`, clear of the save limit by a
+    margin), which share one part: their pickles run no code of a block's, so
+    none can fail on its own, and one pickle of many costs less than many."""
+    parts: list[bytes] = []
+    together: dict[str, dict] = {}
+    for request_id in request_ids:
+        entry = entries.get(request_id)
+        if entry is None or not _short(entry, limits):
+            parts.append(pack(request_id, entry, limits, compiled_miss, pooler, watch))
+            continue
+        together[request_id], taken = pooler.swap_plain(entry)
+        pooler.add(taken)
+    if together:
+        parts.append(nns.dumps_compact(together))
+    return parts
+
+
+#: What a reply of tensors alone may hold besides its tensors, at most, to share a
+#: part (:func:`pack_all`): within this of the save limit, it is packed on its own,
+#: where the limit counts its pickle's bytes too.
+_MARGIN_BYTES = 1 << 16
+
+
+def _short(entry: dict, limits: Limits) -> bool:
+    """Whether ``entry`` may share the collect's part of replies of tensors alone."""
+    if not _only_tensors(entry):
+        return False
+    saves = entry["saves"]
+    size = sum(tensor.numel() * tensor.element_size() + len(name) for name, tensor in saves.items())
+    return size + _MARGIN_BYTES <= limits.max_save_bytes
+
+
 def pack(
     request_id: str,
     entry: dict | None,
@@ -107,7 +148,7 @@ def _packed(request_id: str, entry: dict, pooler: Pooler, plain: bool = False) -
     """The tensors the pool takes from the entry, and the entry pickled without them;
     ``plain``: the entry is :func:`_only_tensors`'s (nothing to stack, nothing shared)."""
     if plain:
-        swapped, taken = pooler.swap(entry)
+        swapped, taken = pooler.swap_plain(entry)
         return taken, nns.dumps_compact({request_id: swapped})
     shared = shared_tensors(entry)
     swapped, taken = (entry, {}) if shared is None else pooler.swap(stack_entry(entry, shared), shared)

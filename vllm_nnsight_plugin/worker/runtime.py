@@ -56,7 +56,7 @@ from . import _nnsight as nns
 from .admit import RequestIndex, admit
 from .batching import CheckedBatcher
 from .budget import watchdogs
-from .collect import Uncollected, pack, pool_part, synchronize_device, wind_up
+from .collect import Uncollected, pack_all, pool_part, synchronize_device, wind_up
 from .edits import give_copies, marked
 from .errors import CompiledForwardError
 from .live import AtTaps
@@ -643,9 +643,7 @@ class WorkerRuntime:
         # location "already run past" is the block's own order (layer 20, then 10).
         miss = None if self.eager or self.eager_steps else self._compiled_miss()
         pooler = Pooler()
-        parts = [
-            pack(rid, entries.get(rid), self.limits, miss, pooler, self.pack_watch) for rid in request_ids
-        ]
+        parts = pack_all(request_ids, entries, self.limits, miss, pooler, self.pack_watch)
         return parts + pool_part(pooler) + self._counts_part()
 
     def _counts_part(self) -> list[bytes]:
