@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -65,6 +66,25 @@ def build_model(folder: Path, layers: int) -> str:
     if (folder / "config.json").exists():
         return str(folder)
     return build_tiny_qwen3(folder, layers=layers, max_positions=1024)
+
+
+def engine(layers: int, taps: list[str]) -> Any:
+    """The engine the CPU profiles share: the random Qwen3 of ``layers`` layers,
+    float32, eager, 256 requests a step, ``taps`` tapped (none: ``[]``)."""
+    from vllm import LLM
+
+    folder = Path(tempfile.gettempdir()) / f"vllm-nnsight-profile-qwen3-{layers}"
+    return LLM(
+        build_model(folder, layers),
+        dtype="float32",
+        max_model_len=1024,
+        enforce_eager=True,
+        gpu_memory_utilization=0.3,
+        kv_cache_memory_bytes=1 << 30,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        additional_config={"nnsight_taps": taps} if taps else {},
+    )
 
 
 def split(profile: cProfile.Profile, total: float) -> dict[str, float]:
@@ -120,7 +140,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from vllm_nnsight_plugin import VLLM
@@ -128,24 +148,8 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import gpu_bench as blocks
 
-    folder = Path(tempfile.gettempdir()) / f"vllm-nnsight-profile-qwen3-{args.layers}"
-    llm = LLM(
-        build_model(folder, args.layers),
-        dtype="float32",
-        max_model_len=1024,
-        enforce_eager=True,
-        gpu_memory_utilization=0.3,
-        kv_cache_memory_bytes=1 << 30,
-        max_num_seqs=256,
-        max_num_batched_tokens=8192,
-        additional_config=(
-            {"nnsight_taps": ["layers"]}
-            if args.every_layer
-            else {"nnsight_taps": [f"model.layers.{args.layer}.output"]}
-            if args.taps
-            else {}
-        ),
-    )
+    taps = ["layers"] if args.every_layer else [f"model.layers.{args.layer}.output"] if args.taps else []
+    llm = engine(args.layers, taps)
     model = VLLM(llm)
     torch.manual_seed(0)
     vector = torch.randn(128)

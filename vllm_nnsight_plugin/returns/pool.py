@@ -128,6 +128,10 @@ class Pool:
         every other request's tensors alive with it, and ``torch.save`` of it (a
         server's response) would write all of them.
         """
+        if len(indices) == 1:  # (the most common: a request that saved one tensor)
+            (index,) = indices
+            flat, start, end, shape = self._span(index)
+            return {index: self._owned(flat, start, end).view(shape)}
         spans = {index: self._span(index) for index in indices}
         bounds: dict[int, tuple[int, int]] = {}
         covered: dict[int, int] = {}

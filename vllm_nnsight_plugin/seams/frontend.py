@@ -130,9 +130,9 @@ def patch_input_processor() -> None:
 def built_for_one_request(params: list) -> None:
     """Mark ``SamplingParams`` made for one request each, which nobody else holds,
     as vLLM's OpenAI server marks its own (``skip_clone``): the engine then takes
-    a shallow copy of each instead of a deep one (tens of microseconds a request,
-    the largest per-request cost of a many-prompt trace's admission). Where the
-    field is missing the copy stays deep, which changes nothing but the time."""
+    a shallow copy of each instead of a deep one (about 50 us a request on a
+    2-core CPU, ``benchmarks/RESULTS.md``). Where the field is missing the copy
+    stays deep, which changes nothing but the time."""
     for param in params:
         if hasattr(param, "skip_clone"):
             param.skip_clone = True

@@ -1,0 +1,146 @@
+"""Where a traced request's host time goes, unprofiled: each phase's wall time, on this CPU.
+
+    python benchmarks/phases_cpu.py [--jobs sweep,plain_sweep,steer] [--rounds 3]
+
+``profile_cpu.py`` splits a traced call under cProfile, which multiplies the
+cost of small Python functions several times over (a steering trace's seal reads
+44 ms there and 5 ms here). This wraps the phases a traced request passes
+through in a timer each and runs the jobs as they are: the client's seal
+(``_attach_mediators``, and inside it the pickle keys and the prefix claims),
+vLLM's ``add_request`` and ``process_inputs`` (which holds the plugin's front-end
+check), the worker's admission, its collect (the tables' saves, the wind-up,
+the packing of replies, the pool), the front end's attach, and the engine's
+steps, which hold all of the worker's. Per job and round it prints each phase's
+milliseconds and calls. Engine, front end and worker share one process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), as in ``profile_cpu.py``; the model is its
+random 36-layer Qwen3 (hidden size 128), layer 18 tapped.
+
+Jobs: ``sweep`` 1,024 prompts x 1 token in one trace, each keeping layer 18's
+last row (``gpu_bench.sweep``); ``plain_sweep`` the same prompts plain;
+``steer`` 64 x 4 tokens with the seeds' loop; ``steer_docs`` the docs' loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+#: Per phase, wall seconds and calls (reset per round).
+SPENT: dict[str, list[float]] = {}
+
+
+def _timer(original: Any, label: str) -> Any:
+    @functools.wraps(original)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            seen = SPENT.setdefault(label, [0.0, 0])
+            seen[0] += time.perf_counter() - started
+            seen[1] += 1
+
+    return timed
+
+
+def wrap(holder: Any, name: str, label: str | None = None) -> None:
+    """Time ``holder.name`` (a module's function, as its callers look it up, or a
+    class's method) under ``label``; a name the checkout lacks is left out (an
+    older checkout, timed for comparison)."""
+    if hasattr(holder, name):
+        setattr(holder, name, _timer(getattr(holder, name), label or name))
+
+
+def instrument() -> None:
+    from vllm.v1.engine import input_processor, llm_engine
+
+    from vllm_nnsight_plugin import front
+    from vllm_nnsight_plugin.client import _nnsight as client_nnsight
+    from vllm_nnsight_plugin.client import model as client
+    from vllm_nnsight_plugin.returns import pool
+    from vllm_nnsight_plugin.taps import install
+    from vllm_nnsight_plugin.worker import _nnsight as worker_nnsight
+    from vllm_nnsight_plugin.worker import lowering, runtime
+
+    wrap(client.VLLM, "_attach_mediators", "seal (client)")
+    wrap(client_nnsight, "_pickle_key", "seal: pickle keys")
+    wrap(client.VLLM, "_claim_last_rows", "seal: prefix claims")
+    wrap(llm_engine.LLMEngine, "add_request", "add_request (vLLM)")
+    wrap(input_processor.InputProcessor, "process_inputs", "add_request: process_inputs")
+    wrap(llm_engine.LLMEngine, "step", "engine steps (vLLM)")
+    wrap(runtime.WorkerRuntime, "begin_step", "steps: begin (worker)")
+    wrap(runtime, "admit", "steps: admission (worker)")
+    wrap(runtime.WorkerRuntime, "collect", "collect (worker)")
+    wrap(lowering.Lowering, "forget", "collect: tables")
+    wrap(install.TapTables, "saves", "collect: tables' saves")
+    wrap(worker_nnsight, "collect_entries", "collect: wind-up")
+    wrap(runtime, "pack_all", "collect: packing")
+    wrap(runtime, "pack", "collect: packing")  # (one request at a time, before pack_all)
+    wrap(runtime, "pool_part", "collect: pool")
+    wrap(front, "attach_collected", "attach (front end)")
+    wrap(pool.Resolver, "__init__", "attach: own copies")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", default="sweep,plain_sweep,steer,steer_docs")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+
+    import torch
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_nnsight_plugin import VLLM
+
+    here = Path(__file__).resolve().parent
+    sys.path.insert(0, str(here))
+    import gpu_bench as blocks
+    from profile_cpu import engine
+
+    llm = engine(36, ["model.layers.18.output"])
+    model = VLLM(llm)
+    blocks.LAYER = 18
+    instrument()
+    torch.manual_seed(0)
+    vector = torch.randn(128)
+    runs = iter(range(1_000_000))
+
+    def ids(n: int) -> list[list[int]]:
+        """``n`` prompts of 8 tokens that no earlier call used (``profile_cpu.py``'s)."""
+        run = next(runs)
+        return [[2 + run % 400, 2 + run // 400, 2 + i % 400, 2 + i // 400, 5, 6, 7, 8] for i in range(n)]
+
+    one = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+    jobs = {
+        "sweep": lambda: blocks.sweep(model, ids(1024)),
+        "plain_sweep": lambda: llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in ids(1024)], one, use_tqdm=False
+        ),
+        "steer": lambda: blocks.steer(model, ids(64), 4, vector),
+        "steer_docs": lambda: blocks.steer_as_the_docs_write_it(model, ids(64), 4, vector),
+    }
+    for name in args.jobs.split(","):
+        jobs[name]()  # warm-up (the worker builds its tree on the first block)
+        for _ in range(args.rounds):
+            SPENT.clear()
+            started = time.perf_counter()
+            jobs[name]()
+            wall = time.perf_counter() - started
+            phases = {label: [round(1000 * s, 1), int(n)] for label, (s, n) in SPENT.items()}
+            print(
+                "RESULT " + json.dumps({"job": name, "ms": round(1000 * wall, 1), "phases": phases}),
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
