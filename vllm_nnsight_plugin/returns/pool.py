@@ -299,10 +299,12 @@ class Pooler:
             groups.setdefault((tensor.dtype, tensor.device), []).append(index)
         for key, indices in list(groups.items()):
             tensors = [self.tensors[index] for index in indices]
-            if sum(_bytes(t) for t in tensors) <= _room(key[1]) / 2:
+            if sum(tensor_bytes(t) for t in tensors) <= _room(key[1]) / 2:
                 continue
             alone = {
-                i for i, t in zip(indices, tensors, strict=True) if _bytes(t) >= OWN_FLAT_BYTES and _whole(t)
+                i
+                for i, t in zip(indices, tensors, strict=True)
+                if tensor_bytes(t) >= OWN_FLAT_BYTES and _whole(t)
             }
             groups[key] = [index for index in indices if index not in alone]
             groups.update({(index,): [index] for index in sorted(alone)})
@@ -318,7 +320,8 @@ class Pooler:
         return Pool(self.id, flats, places)
 
 
-def _bytes(tensor: Any) -> int:
+def tensor_bytes(tensor: Any) -> int:
+    """The bytes of ``tensor``'s own values (not of the storage around it)."""
     return tensor.numel() * tensor.element_size()
 
 
@@ -333,7 +336,7 @@ def _room(device: Any) -> float:
 
 def _whole(tensor: Any) -> bool:
     """Whether ``tensor`` is all of its storage, so sending it sends nothing more."""
-    return tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == _bytes(tensor)
+    return tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor_bytes(tensor)
 
 
 class Resolver:

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from .. import seams
-from ..returns.pool import Pooler
+from ..returns.pool import Pooler, tensor_bytes
 from ..returns.stacked import poolable, shared_tensors, stack_entry
 from ..wire.envelope import Limits
 from ..wire.reply import request_reply
@@ -94,7 +94,7 @@ def _short(entry: dict, limits: Limits) -> bool:
     if not _only_tensors(entry):
         return False
     saves = entry["saves"]
-    size = sum(tensor.numel() * tensor.element_size() + len(name) for name, tensor in saves.items())
+    size = sum(tensor_bytes(tensor) + len(name) for name, tensor in saves.items())
     return size + _MARGIN_BYTES <= limits.max_save_bytes
 
 
@@ -132,7 +132,7 @@ def pack(
             "values, not modules, parameters or objects holding them."
         )
         return pickle.dumps({request_id: {**request_reply(), "error": nns.capture_exception(unsent)}})
-    size = len(part) + sum(tensor.numel() * tensor.element_size() for tensor in taken.values())
+    size = len(part) + sum(tensor_bytes(tensor) for tensor in taken.values())
     if size > limits.max_save_bytes:
         over = SaveLimitError(
             f"request {request_id} saved {size} bytes, over this engine's limit "
