@@ -40,8 +40,9 @@ issue 27's table, each job right after a plain run of its size on the same engin
 tapped, the probe), and a plain one-token call, a one-token trace and the lens in
 turn, ``--repeats`` rounds: ratios that a drift of the machine between runs moves
 on both sides; ``GPU_BENCH_PAIRED=steer,sweep`` picks some of its jobs; ``timeline``:
-plain and steering runs under the engine's torch profiler, each with the device's
-busy time and span, so a cost can be told apart as kernels or as waiting; ``checks``:
+plain and steering runs and the sweep under the engine's torch profiler, each with
+the device's busy time and span, so a cost can be told apart as kernels or as
+waiting (``GPU_BENCH_TIMELINE=plain_sweep,sweep`` picks some); ``checks``:
 lowered edits against the same blocks as Python, greedy tokens, on the tapped engine).
 ``GPU_BENCH_REAL=1`` loads real weights (e.g. SmolLM2) instead of dummy ones;
 ``GPU_BENCH_SMALL=1`` shrinks everything for a dry run of the script on a CPU.
@@ -1114,13 +1115,17 @@ def timeline_jobs(llm, name: str, repeats: int, few: list, params, path: str) ->
     time and span come from the worker's trace."""
     import glob
 
+    from vllm import SamplingParams
+
     from vllm_nnsight_plugin import VLLM
 
     model = VLLM(llm)
     vector = unit_vector(path)
     cpu_vector = vector.float().cpu()
     u = vector / vector.norm()
+    one = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
     steer(model, few[:4], 8, vector)  # warm-up: builds the worker's tree
+    sweep(model, few[:8])
     project(model, few[:4], 8, remove(u))
     jobs = {
         "plain64": (CONCURRENT, lambda b: llm.generate(b, params, use_tqdm=False)),
@@ -1129,7 +1134,13 @@ def timeline_jobs(llm, name: str, repeats: int, few: list, params, path: str) ->
         "remove64": (CONCURRENT, lambda b: project(model, b, TOKENS, remove(u))),
         "plain256": (WIDE, lambda b: llm.generate(b, params, use_tqdm=False)),
         "steer256": (WIDE, lambda b: steer(model, b, TOKENS, vector)),
+        # whether a collect between steps leaves the device waiting (its waves of
+        # finished requests each a round trip to the worker)
+        "plain_sweep": (SWEEP, lambda b: llm.generate(b, one, use_tqdm=False)),
+        "sweep": (SWEEP, lambda b: sweep(model, b)),
     }
+    wanted = [j for j in os.environ.get("GPU_BENCH_TIMELINE", "").split(",") if j]
+    jobs = {job: spec for job, spec in jobs.items() if not wanted or job in wanted}
     for round_ in range(repeats):
         for job, (n, run) in jobs.items():
             batch = unique(n)

@@ -17,7 +17,11 @@ random 36-layer Qwen3 (hidden size 128), layer 18 tapped.
 
 Jobs: ``sweep`` 1,024 prompts x 1 token in one trace, each keeping layer 18's
 last row (``gpu_bench.sweep``); ``plain_sweep`` the same prompts plain;
-``steer`` 64 x 4 tokens with the seeds' loop; ``steer_docs`` the docs' loop.
+``steer`` 64 x ``--tokens`` (4) with the seeds' loop, ``steer_docs`` the docs'
+loop, ``plain_steer`` the same plain; ``trace1`` twenty one-token traces saving
+the logits one after another, ``plain1`` twenty plain one-token calls. The
+worker's per-step phases (the tables' fill, the forward's start, the sampler's
+two calls) are timed too, so a per-step cost shows apart from a per-request one.
 """
 
 from __future__ import annotations
@@ -77,6 +81,10 @@ def instrument() -> None:
     wrap(input_processor.InputProcessor, "process_inputs", "add_request: process_inputs")
     wrap(llm_engine.LLMEngine, "step", "engine steps (vLLM)")
     wrap(runtime.WorkerRuntime, "begin_step", "steps: begin (worker)")
+    wrap(runtime.WorkerRuntime, "_on_forward", "steps: forward's start (worker)")
+    wrap(install.TapTables, "fill", "steps: tables filled")
+    wrap(runtime.WorkerRuntime, "_on_logits", "steps: logits (worker)")
+    wrap(runtime.WorkerRuntime, "_on_samples", "steps: samples (worker)")
     wrap(runtime, "admit", "steps: admission (worker)")
     wrap(runtime.WorkerRuntime, "collect", "collect (worker)")
     wrap(lowering.Lowering, "forget", "collect: tables")
@@ -93,6 +101,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", default="sweep,plain_sweep,steer,steer_docs")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=4, help="tokens a steering job draws")
     args = parser.parse_args()
 
     import torch
@@ -125,8 +134,17 @@ def main() -> None:
         "plain_sweep": lambda: llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in ids(1024)], one, use_tqdm=False
         ),
-        "steer": lambda: blocks.steer(model, ids(64), 4, vector),
-        "steer_docs": lambda: blocks.steer_as_the_docs_write_it(model, ids(64), 4, vector),
+        "plain_steer": lambda: llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in ids(64)],
+            SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True, detokenize=False),
+            use_tqdm=False,
+        ),
+        "plain1": lambda: [
+            llm.generate([TokensPrompt(prompt_token_ids=ids(1)[0])], one, use_tqdm=False) for _ in range(20)
+        ],
+        "trace1": lambda: [blocks.trace1(model, ids(1)[0]) for _ in range(20)],
+        "steer": lambda: blocks.steer(model, ids(64), args.tokens, vector),
+        "steer_docs": lambda: blocks.steer_as_the_docs_write_it(model, ids(64), args.tokens, vector),
     }
     for name in args.jobs.split(","):
         jobs[name]()  # warm-up (the worker builds its tree on the first block)
