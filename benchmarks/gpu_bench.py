@@ -38,7 +38,8 @@ issue 27's table, each job right after a plain run of its size on the same engin
 (steering 64 and 256, the docs' loop, a direction removed and clamped, capture
 1,000, patching, the last-row sweep of 1,024 unique prompts and, with every layer
 tapped, the probe), and a plain one-token call, a one-token trace and the lens in
-turn, ``--repeats`` rounds: ratios that a drift of the machine between runs moves
+turn, ``--repeats`` rounds (first, ``collect_check``: requests finishing at
+different steps, lowered against Python, and where their collects read): ratios that a drift of the machine between runs moves
 on both sides; ``GPU_BENCH_PAIRED=steer,sweep`` picks some of its jobs; ``timeline``:
 plain and steering runs and the sweep under the engine's torch profiler, each with
 the device's busy time and span, so a cost can be told apart as kernels or as
@@ -942,6 +943,50 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
     result(engine=name, job="stats", **stats)
 
 
+def staggered_rows(model, batch, python: bool) -> list:
+    """The capture block, each request generating as many tokens as its place
+    (2, 5, 8, ...): they finish at different steps while the others go on, so each
+    collect comes with a step on the device. ``python``: beside a read that is no
+    tap, so the same keep runs as Python."""
+    layer = model.model.layers[LAYER]
+    with model.trace(temperature=0.0, ignore_eos=True, detokenize=False) as tracer:
+        for i, ids in enumerate(batch):
+            with tracer.invoke(ids, max_tokens=2 + 3 * i):
+                rows = list().save()
+                if python:
+                    model.model.embed_tokens.output.clone()
+                for _ in tracer.iter[: 2 + 3 * i]:
+                    rows.append(layer.output[0].clone())
+    return rows
+
+
+def collect_check(model, llm, name: str, batch: list) -> None:
+    """Requests finishing at different steps, lowered against Python: their rows
+    (relative error), and how many collects read their saves beside the step in
+    flight (``worker/ready.py``) or waited for the device."""
+    (before,) = llm.collective_rpc("nnsight_stats")
+    lowered_rows = staggered_rows(model, batch, False)
+    (after,) = llm.collective_rpc("nnsight_stats")
+    python_rows = staggered_rows(model, batch, True)
+    errors = [
+        float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-300))
+        for lo, py in zip(lowered_rows, python_rows)
+        for a, b in zip(lo, py)
+    ]
+    result(
+        engine=name,
+        job="collect_check",
+        lowered=after["lowered"] - before["lowered"],
+        same_shapes=sum(
+            [t.shape for t in lo] == [t.shape for t in py] for lo, py in zip(lowered_rows, python_rows)
+        ),
+        max_rel_err=float(f"{max(errors):.3g}"),
+        of=len(lowered_rows),
+        beside=after.get("collects_beside_step", 0) - before.get("collects_beside_step", 0),
+        waited=after.get("collects_waited", 0) - before.get("collects_waited", 0),
+    )
+
+
 def paired_jobs(model, llm, name: str, repeats: int, few: list, params, path: str) -> None:
     """Each job right after a plain run of its size on the same engine, ``repeats``
     times: ``<job>_pair`` rows carry both rates and their ratio, so a drift of the
@@ -961,6 +1006,7 @@ def paired_jobs(model, llm, name: str, repeats: int, few: list, params, path: st
     patch(model, few[:4], 4, rows)
     lens(model, few[0])
     sweep(model, fresh_prompts(8, 20))
+    collect_check(model, llm, name, few[:6])
     # job: (requests, its block, the plain run's params, tokens each: None, a time)
     jobs = {
         "steer": (CONCURRENT, lambda batch: steer(model, batch, TOKENS, vector), params, TOKENS),

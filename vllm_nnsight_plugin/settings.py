@@ -157,6 +157,7 @@ SPLIT_AT_TAPS = "VLLM_NNSIGHT_SPLIT_AT_TAPS"
 KEPT_BYTES = "VLLM_NNSIGHT_KEPT_BYTES"
 SHARED_SAVES_BYTES = "VLLM_NNSIGHT_SHARED_SAVES_BYTES"
 LEND_SAVES = "VLLM_NNSIGHT_LEND_SAVES"
+COLLECT_BESIDE = "VLLM_NNSIGHT_COLLECT_BESIDE"
 TRUST_SERVER = "VLLM_NNSIGHT_TRUST_SERVER"
 CACHE = "VLLM_NNSIGHT_CACHE"
 SMOLLM2_GGUF = "VLLM_NNSIGHT_SMOLLM2_GGUF"
@@ -305,6 +306,15 @@ SETTINGS: tuple[Setting, ...] = (
         True,
         "flag",
         "`0`: never lend a collect on the device (shared memory instead)",
+    ),
+    Setting(
+        COLLECT_BESIDE,
+        _flag,
+        False,
+        "flag",
+        "`1`: on a GPU engine that schedules ahead, a collect whose requests are not in the step in "
+        "flight reads their saves beside that step, on a stream of its own (unset: it waits for the "
+        "whole device first; not yet measured on a GPU)",
     ),
     Setting(
         TRUST_SERVER,

@@ -34,7 +34,10 @@ TAPS = {"nnsight_taps": SESSION_TAPS}  # decoder layers, an attention operation,
 def tapped(smollm2_path):
     # graphs and torch.compile, the graph split at each tap (blocks at the taps
     # replay the pieces between them; docs/taps.md, "Python at the taps")
-    return start(smollm2_path, env={"VLLM_NNSIGHT_SPLIT_AT_TAPS": "1"}, additional_config=TAPS)
+    # collects read beside the step in flight (``worker/ready.py``), so every test
+    # here checks saves collected that way
+    env = {"VLLM_NNSIGHT_SPLIT_AT_TAPS": "1", "VLLM_NNSIGHT_COLLECT_BESIDE": "1"}
+    return start(smollm2_path, env=env, additional_config=TAPS)
 
 
 def steer_lowered(model, vectors):
@@ -254,3 +257,36 @@ def test_a_block_at_the_taps_matches_the_lowered_edit_and_the_python_forward(tap
     assert stats(tapped)["uncompiled_steps"] > middle["uncompiled_steps"]
     assert cosine(reads[0], want_reads[0]) >= 0.99
     assert out.outputs[0].token_ids[0] == want.outputs[0].token_ids[0]
+
+
+def staggered(model, lowered: bool):
+    """Each prompt keeps layer 20's every row for as many tokens as its place:
+    the requests finish at different steps while the others go on, so each
+    collect comes with a step on the device (async scheduling). ``lowered``
+    False: the same keep beside a read that is no tap, as Python."""
+    with model.trace(temperature=0.0) as tracer:
+        for i, prompt in enumerate(PROMPTS[:6]):
+            with tracer.invoke(prompt, max_tokens=2 + 3 * i):
+                rows = list().save()
+                if not lowered:
+                    model.model.embed_tokens.output.clone()
+                for _ in tracer.iter[: 2 + 3 * i]:
+                    rows.append(model.model.layers[20].output[0].clone())
+    return rows  # each invoke's list, in order
+
+
+def test_a_collect_beside_the_step_in_flight_reads_what_the_requests_kept(tapped):
+    """A request's saves, collected while the engine has its next step on the
+    device, are the rows its own steps kept: read beside that step (no wait for
+    the device, ``worker/ready.py``), as the same block run as Python has them."""
+    model = VLLM(tapped)
+    before = stats(tapped)
+    got = staggered(model, lowered=True)
+    after = stats(tapped)
+    assert after["lowered"] - before["lowered"] == 6 and after["tracked"] == 0
+    assert after["collects_beside_step"] > before["collects_beside_step"]
+    want = staggered(model, lowered=False)
+    for i, (rows, wanted) in enumerate(zip(got, want)):
+        assert len(rows) == len(wanted) == 2 + 3 * i
+        assert [t.shape for t in rows] == [t.shape for t in wanted]
+        assert min(cosine(a, b) for a, b in zip(rows, wanted)) >= 0.999

@@ -62,6 +62,7 @@ from .errors import CompiledForwardError
 from .live import AtTaps
 from .lowering import OUTPUT, Lowering
 from .paths import AT_SAMPLER, CHUNKED, EDITED, FAILED, NO_TAPS
+from .ready import Ready
 from .refusals import end, refuse_chunked
 from .resume import SITTING_OUT, narrow, recompute_spans, refuse_resumed
 from .step import Phase, Step
@@ -105,6 +106,9 @@ class WorkerRuntime:
         self.lowering = Lowering(runner)  # requests whose blocks run on the tap tables
         self.step: Step | None = None
         self.stops = Stops(seams.schedules_ahead(seams.config_of(runner)))
+        self.ready = Ready(
+            seams.schedules_ahead(seams.config_of(runner)) and bool(settings.value(settings.COLLECT_BESIDE))
+        )
         self.uncollected = Uncollected(float(settings.value(settings.UNCOLLECTED_S)))
         self.step_watch, self.pack_watch = watchdogs()
 
@@ -138,6 +142,7 @@ class WorkerRuntime:
         if self.kernels is not None:
             self.kernels.restore()
         self.step_watch.new_step()
+        self.ready.began(scheduler_output, self.requests is not None and bool(self.requests.requests))
         finished = seams.finished_ids(scheduler_output)
         if self.tables is not None and finished:
             for request_id in finished:  # their entries for the requests after them
@@ -607,6 +612,13 @@ class WorkerRuntime:
             return None
 
         finished = pickle.loads(outputs) if outputs else None
+        internal = [i for rid in request_ids for i in self.index.answering(rid)]
+        with self.ready.reading(internal) as apart:
+            return self._collect(request_ids, finished, apart)
+
+    def _collect(self, request_ids: list[str], finished: dict | None, apart: bool) -> list[bytes]:
+        """:meth:`collect`'s work; ``apart``: its device work runs beside the step in
+        flight, behind the mark of where that step began (``ready.py``)."""
         paths = {rid: self.lowering.paths.take(self.index.answering(rid)) for rid in request_ids}
         for rid, path in paths.items():  # on the output that ``tracer.result`` serves, too
             if path is not None and finished and rid in finished:
@@ -637,7 +649,7 @@ class WorkerRuntime:
         self.lowering.mixed.intersection_update(self.requests.requests)
         self.recomputing.intersection_update(self.requests.requests)
         self.stops.keep_only(self.requests.requests)
-        if any(entry.get("saves") or entry.get("sequences") for entry in entries.values()):
+        if not apart and any(entry.get("saves") or entry.get("sequences") for entry in entries.values()):
             synchronize_device()
         # Only a step that stayed compiled misses module locations; with Python steps a
         # location "already run past" is the block's own order (layer 20, then 10).
@@ -687,6 +699,8 @@ class WorkerRuntime:
                 "python": round(self.step_seconds[PYTHON], 6),
                 "taps": round(self.step_seconds[TAPS], 6),
             },
+            "collects_beside_step": self.ready.beside,
+            "collects_waited": self.ready.waited,
             "resumed": self.resumed,
             "prompt_rows_cached": self.prompt_rows_cached,
             "preempted_blocks": self.preempted,
