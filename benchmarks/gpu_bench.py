@@ -893,20 +893,11 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
         lowered_rows = capture_rows(model, few[:8], 16)
         python_rows = capture_python(model, few[:8], 16)
         (after,) = llm.collective_rpc("nnsight_stats")
-        errors = [  # relative to the Python rows' size (a dummy model's rows can be tiny)
-            float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-300))
-            for lo, py in zip(lowered_rows, python_rows)
-            for a, b in zip(lo, py)
-        ]
         result(
             engine=name,
             job="capture_check",
             lowered=after["lowered"] - before["lowered"],
-            same_shapes=sum(
-                [t.shape for t in lo] == [t.shape for t in py] for lo, py in zip(lowered_rows, python_rows)
-            ),
-            max_rel_err=float(f"{max(errors):.3g}"),
-            of=len(lowered_rows),
+            **rows_against(lowered_rows, python_rows),
         )
     if kind == "taps" and every_layer_tapped():
         at_taps_jobs(model, llm, name, repeats, few, params)
@@ -968,23 +959,27 @@ def collect_check(model, llm, name: str, batch: list) -> None:
     lowered_rows = staggered_rows(model, batch, False)
     (after,) = llm.collective_rpc("nnsight_stats")
     python_rows = staggered_rows(model, batch, True)
+    result(
+        engine=name,
+        job="collect_check",
+        lowered=after["lowered"] - before["lowered"],
+        **rows_against(lowered_rows, python_rows),
+        beside=after.get("collects_beside_step", 0) - before.get("collects_beside_step", 0),
+        waited=after.get("collects_waited", 0) - before.get("collects_waited", 0),
+    )
+
+
+def rows_against(lowered_rows: list, python_rows: list) -> dict:
+    """Each request's kept rows, lowered against Python: how many requests kept
+    rows of the same shapes, and the largest error relative to the Python rows'
+    size (a dummy model's rows can be tiny)."""
     errors = [
         float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-300))
         for lo, py in zip(lowered_rows, python_rows)
         for a, b in zip(lo, py)
     ]
-    result(
-        engine=name,
-        job="collect_check",
-        lowered=after["lowered"] - before["lowered"],
-        same_shapes=sum(
-            [t.shape for t in lo] == [t.shape for t in py] for lo, py in zip(lowered_rows, python_rows)
-        ),
-        max_rel_err=float(f"{max(errors):.3g}"),
-        of=len(lowered_rows),
-        beside=after.get("collects_beside_step", 0) - before.get("collects_beside_step", 0),
-        waited=after.get("collects_waited", 0) - before.get("collects_waited", 0),
-    )
+    same = sum([t.shape for t in lo] == [t.shape for t in py] for lo, py in zip(lowered_rows, python_rows))
+    return {"same_shapes": same, "max_rel_err": float(f"{max(errors):.3g}"), "of": len(lowered_rows)}
 
 
 def paired_jobs(model, llm, name: str, repeats: int, few: list, params, path: str) -> None:

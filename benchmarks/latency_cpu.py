@@ -1,7 +1,7 @@
 """A one-token trace's cost over a plain call, with the engine in its own process
 (as ``vllm.LLM`` runs it), on this CPU.
 
-    python benchmarks/latency_cpu.py [--rounds 4] [--calls 20]
+    python benchmarks/latency_cpu.py [--rounds 4] [--calls 20] [--layers 36] [--sweep 0]
 
 The model is ``profile_cpu.py``'s random 36-layer Qwen3 (hidden size 128, eager),
 every decoder layer tapped. Each round times, call after call on fresh prompts, a
@@ -11,6 +11,13 @@ bare ``collective_rpc`` to the worker; it prints each one's median. The front en
 the engine core and the worker are apart here, so the trace pays what it pays
 under ``vllm.LLM``: its seal, the collect's round trip to the worker, the attach.
 To compare two checkouts, run it with each on ``PYTHONPATH``.
+
+``--sweep N`` times instead, round after round, ``N`` plain one-token prompts and
+the last-row sweep of ``N`` (``gpu_bench.sweep``, the middle layer), with the
+front end's parts of each: the client's seal, ``add_request``, the engine's steps,
+and within them the collects' round trips to the worker (``FrontEnd.stepped``)
+and the attach. ``--layers`` picks the model's depth (a shallow one leaves the
+host's work a larger share).
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--layers", type=int, default=36)
+    parser.add_argument("--sweep", type=int, default=0, help="time a sweep of this many prompts instead")
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -43,10 +52,10 @@ def main() -> None:
     import gpu_bench as blocks
     from profile_cpu import build_model
 
-    folder = Path(tempfile.gettempdir()) / "vllm-nnsight-profile-qwen3-36"
+    folder = Path(tempfile.gettempdir()) / f"vllm-nnsight-profile-qwen3-{args.layers}"
     # built once (``build_model`` puts this checkout first on the path, which the
     # engine's processes would inherit: a comparison of two checkouts builds it first)
-    path = str(folder) if (folder / "config.json").exists() else build_model(folder, 36)
+    path = str(folder) if (folder / "config.json").exists() else build_model(folder, args.layers)
     llm = LLM(
         path,
         dtype="float32",
@@ -54,9 +63,15 @@ def main() -> None:
         enforce_eager=True,
         gpu_memory_utilization=0.3,
         kv_cache_memory_bytes=1 << 30,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
         additional_config={"nnsight_taps": ["layers"]},
     )
     model = VLLM(llm)
+    if args.sweep:
+        blocks.LAYER = args.layers // 2
+        sweeps(llm, model, blocks, args.sweep, args.rounds)
+        return
     runs = iter(range(1_000_000))
     one = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
 
@@ -84,6 +99,53 @@ def main() -> None:
         found["trace1_over_plain"] = round(found["trace1"] - found["plain"], 2)
         found["lens_over_plain"] = round(found["lens"] - found["plain"], 2)
         print("RESULT " + json.dumps({"round": round_, **found}), flush=True)
+
+
+def sweeps(llm, model, blocks, n: int, rounds: int) -> None:
+    """A plain one-token run of ``n`` prompts, then the sweep of ``n``, per round;
+    each with the front end's parts (``phases_cpu.py``'s timers)."""
+    import gc
+
+    import phases_cpu as phases
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.engine import llm_engine
+
+    from vllm_nnsight_plugin import front
+    from vllm_nnsight_plugin.client import model as client
+
+    phases.wrap(client.VLLM, "_attach_mediators", "seal (client)")
+    phases.wrap(llm_engine.LLMEngine, "add_request", "add_request (vLLM)")
+    phases.wrap(llm_engine.LLMEngine, "step", "engine steps (vLLM)")
+    phases.wrap(front.FrontEnd, "stepped", "steps: collects' round trips and attach")
+    phases.wrap(front, "attach_collected", "attach (front end)")
+    runs = iter(range(1_000_000))
+
+    def ids() -> list[list[int]]:
+        run = next(runs)
+        return [[2 + run % 400, 2 + run // 400, 2 + i % 400, 2 + i // 400, 5, 6, 7, 8] for i in range(n)]
+
+    one = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+    jobs = {
+        "plain_sweep": lambda: llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in ids()], one, use_tqdm=False
+        ),
+        "sweep": lambda: blocks.sweep(model, ids()),
+    }
+    for job in jobs.values():  # warm-up
+        job()
+    gc.collect()
+    gc.freeze()  # (a full collection of the front end's heap lands on either job by chance)
+    for round_ in range(rounds):
+        found: dict = {"round": round_}
+        for name, job in jobs.items():
+            phases.SPENT.clear()
+            start = time.perf_counter()
+            job()
+            found[name] = round(1000 * (time.perf_counter() - start), 1)
+            found[f"{name} parts"] = {k: [round(1000 * s, 1), int(c)] for k, (s, c) in phases.SPENT.items()}
+        found["sweep_over_plain"] = round(found["sweep"] - found["plain_sweep"], 1)
+        print("RESULT " + json.dumps(found), flush=True)
 
 
 if __name__ == "__main__":
