@@ -105,3 +105,37 @@ def test_rows_kept_past_the_counted_steps_are_left_out():
     tables._stop[keep.entry] = 3
     saved = Lowering(runner=None).forget(tables, Index(), Book(), ["k"], {"k": 2})
     assert list(saved["k"]) == ["rows"] and len(saved["k"]["rows"].unstack()) == 2
+
+
+class _Arrival:
+    """A device event as ``Stops`` reads one: arrived or not, and whether it was waited for."""
+
+    def __init__(self, arrived: bool) -> None:
+        self.arrived, self.waited = arrived, False
+
+    def query(self) -> bool:
+        return self.arrived
+
+    def synchronize(self) -> None:
+        self.waited = self.waited or not self.arrived  # a wait for one still on its way
+        self.arrived = True
+
+
+def test_beside_the_step_in_flight_only_the_earlier_steps_samples_are_waited_for():
+    """A collect beside the step in flight (``worker/ready.py``) waits for the
+    samples of the steps before it, which say where its requests ended, and reads
+    the in-flight step's only if they have arrived."""
+    stops = Stops(enabled=True)
+    for name in "ab":
+        stops.admit(name, params(stop_token_ids=[7]))
+    steps = [(_Arrival(False), torch.tensor([7, 5]), [("a", 0, 0), ("b", 1, 0)])]
+    steps.append((_Arrival(False), torch.tensor([9, 7]), [("b", 1, 1)]))  # the step in flight
+    for step in steps:  # as lowered_drew notes a GPU step's samples
+        stops._pending.append(step)
+        stops.noted += 1
+    stops.settle(upto=1)
+    assert steps[0][0].waited and not steps[1][0].waited
+    assert stops.counted == {"a": 1} and len(stops._pending) == 1
+    steps[1][0].arrived = True
+    stops.settle(upto=1)  # arrived since: read without a wait
+    assert not steps[1][0].waited and stops.counted == {"a": 1, "b": 2} and not stops._pending

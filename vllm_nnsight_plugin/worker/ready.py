@@ -14,7 +14,9 @@ began is. Each step marks that point as it begins (an event on the stream the
 step computes on). A collect whose requests are all outside the latest step
 reads their saves on a stream of its own, behind that mark, and the compute
 stream waits for that stream before its next step (the store's rows it read go
-back to the tables and may be written again). Anything else (a request in the
+back to the tables and may be written again). Of the samples that say at which
+step a lowered request ended (``stops.py``), it waits only for those of the
+steps before the mark. Anything else (a request in the
 latest step, no mark, no GPU, an engine that schedules one step at a time)
 waits for the device as before.
 

@@ -106,6 +106,7 @@ class WorkerRuntime:
         self.lowering = Lowering(runner)  # requests whose blocks run on the tap tables
         self.step: Step | None = None
         self.stops = Stops(seams.schedules_ahead(seams.config_of(runner)))
+        self.noted_at_mark = 0
         self.ready = Ready(
             seams.schedules_ahead(seams.config_of(runner)) and bool(settings.value(settings.COLLECT_BESIDE))
         )
@@ -143,6 +144,7 @@ class WorkerRuntime:
             self.kernels.restore()
         self.step_watch.new_step()
         self.ready.began(scheduler_output, self.requests is not None and bool(self.requests.requests))
+        self.noted_at_mark = self.stops.noted  # the samples of the steps before this one
         finished = seams.finished_ids(scheduler_output)
         if self.tables is not None and finished:
             for request_id in finished:  # their entries for the requests after them
@@ -623,7 +625,9 @@ class WorkerRuntime:
         for rid, path in paths.items():  # on the output that ``tracer.result`` serves, too
             if path is not None and finished and rid in finished:
                 finished[rid].nnsight_path = path
-        self.stops.settle()
+        # Beside the step in flight, the samples of the steps before it (which say
+        # where the collected requests ended) are all that is waited for.
+        self.stops.settle(upto=self.noted_at_mark if apart else None)
         lowered = self.lowering.forget(
             self.tables, self.index, self.requests, request_ids, self.stops.counted
         )

@@ -52,6 +52,8 @@ class Stops:
         #: Lowered requests: how many of their steps count (the one that drew included).
         self.counted: dict[str, int] = {}
         self._pending: list[tuple[Any, torch.Tensor, list[tuple[str, int, int]]]] = []
+        #: how many steps' samples have been noted (``lowered_drew``) in all
+        self.noted = 0
         self._buffers: list[torch.Tensor] = []
 
     def admit(self, request_id: str, params: Any) -> None:
@@ -101,16 +103,22 @@ class Stops:
         event = torch.cuda.Event()
         event.record()
         self._pending.append((event, host, rows))
+        self.noted += 1
         self.settle(wait=False)
 
-    def settle(self, wait: bool = True) -> None:
-        """Read the lowered samples that have arrived (all of them with ``wait``)."""
+    def settle(self, wait: bool = True, upto: int | None = None) -> None:
+        """Read the lowered samples that have arrived (all of them with ``wait``;
+        with ``upto``, those of the first ``upto`` steps noted, waiting for them,
+        and any later ones that have arrived)."""
+        first = self.noted - len(self._pending)  # the ordinal of the oldest pending
         while self._pending:
             event, host, rows = self._pending[0]
-            if not wait and not event.query():
+            must = wait if upto is None else first < upto
+            if not must and not event.query():
                 return
             event.synchronize()
             self._pending.pop(0)
+            first += 1
             self._read(host, rows)
             self._buffers.append(host)
 
