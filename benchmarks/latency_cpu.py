@@ -27,7 +27,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -42,7 +41,7 @@ def main() -> None:
     parser.add_argument("--sweep", type=int, default=0, help="time a sweep of this many prompts instead")
     args = parser.parse_args()
 
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from vllm_nnsight_plugin import VLLM
@@ -50,23 +49,9 @@ def main() -> None:
     here = Path(__file__).resolve().parent
     sys.path.insert(0, str(here))
     import gpu_bench as blocks
-    from profile_cpu import build_model
+    from profile_cpu import engine
 
-    folder = Path(tempfile.gettempdir()) / f"vllm-nnsight-profile-qwen3-{args.layers}"
-    # built once (``build_model`` puts this checkout first on the path, which the
-    # engine's processes would inherit: a comparison of two checkouts builds it first)
-    path = str(folder) if (folder / "config.json").exists() else build_model(folder, args.layers)
-    llm = LLM(
-        path,
-        dtype="float32",
-        max_model_len=1024,
-        enforce_eager=True,
-        gpu_memory_utilization=0.3,
-        kv_cache_memory_bytes=1 << 30,
-        max_num_seqs=256,
-        max_num_batched_tokens=8192,
-        additional_config={"nnsight_taps": ["layers"]},
-    )
+    llm = engine(args.layers, ["layers"])
     model = VLLM(llm)
     if args.sweep:
         blocks.LAYER = args.layers // 2

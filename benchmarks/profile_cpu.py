@@ -59,12 +59,14 @@ PARTS = (
 
 
 def build_model(folder: Path, layers: int) -> str:
-    """The test suite's tiny Qwen3, with ``layers`` layers (built once per folder)."""
+    """The test suite's tiny Qwen3, with ``layers`` layers (built once per folder).
+    Only a build puts this checkout first on the path, which the engine's processes
+    would inherit: a comparison of two checkouts on ``PYTHONPATH`` builds it first."""
+    if (folder / "config.json").exists():
+        return str(folder)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from vllm_nnsight_plugin.models.tiny import build_tiny_qwen3
 
-    if (folder / "config.json").exists():
-        return str(folder)
     return build_tiny_qwen3(folder, layers=layers, max_positions=1024)
 
 
