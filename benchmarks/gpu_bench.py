@@ -40,7 +40,10 @@ issue 27's table, each job right after a plain run of its size on the same engin
 tapped, the probe), and a plain one-token call, a one-token trace and the lens in
 turn, ``--repeats`` rounds (first, ``collect_check``: requests finishing at
 different steps, lowered against Python, and where their collects read): ratios that a drift of the machine between runs moves
-on both sides; ``GPU_BENCH_PAIRED=steer,sweep`` picks some of its jobs; ``timeline``:
+on both sides; ``GPU_BENCH_PAIRED=steer,sweep`` picks some of its jobs, and
+``GPU_BENCH_BESIDE=ab`` runs each of them twice a round on the one engine, its
+collects beside the step in flight (``<job>_pair_beside``) and waiting for the device
+(``<job>_pair_waited``); ``timeline``:
 plain and steering runs and the sweep under the engine's torch profiler, each with
 the device's busy time and span, so a cost can be told apart as kernels or as
 waiting (``GPU_BENCH_TIMELINE=plain_sweep,sweep`` picks some); ``checks``:
@@ -100,6 +103,9 @@ SHORT = 16  # tokens of the patching job (and its plain baseline): 64 invokes x 
 LAYER = int(os.environ.get("GPU_BENCH_LAYER", LAYER))
 PROMPT_LEN = int(os.environ.get("GPU_BENCH_PROMPT_LEN", PROMPT_LEN))
 TAPS = [t for t in os.environ.get("GPU_BENCH_TAPS", "").split(",") if t] or [f"model.layers.{LAYER}.output"]
+#: ``ab``: the paired jobs run each round once with collects beside the step in
+#: flight (``worker/ready.py``) and once without, on the one engine.
+BESIDE_AB = os.environ.get("GPU_BENCH_BESIDE") == "ab"
 ENGINE = dict(
     load_format="dummy",
     dtype="bfloat16",
@@ -734,6 +740,11 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
         prompt_len=PROMPT_LEN,
         taps=",".join(TAPS) if kind == "taps" else "",
     )
+    if BESIDE_AB and plugin == "on":
+        # the switch travels as a function (``switch_beside``): the engine's
+        # processes must accept one, as they do for any collective_rpc callable
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        os.environ["VLLM_NNSIGHT_COLLECT_BESIDE"] = "1"
     t0 = time.perf_counter()
     llm = LLM(path, enforce_eager=(kind == "eager"), **ENGINE, **extra)
     result(engine=name, job="startup", s=round(time.perf_counter() - t0, 1))
@@ -1028,17 +1039,37 @@ def paired_jobs(model, llm, name: str, repeats: int, few: list, params, path: st
         jobs["probe"] = (CONCURRENT, lambda batch: probe_rows(model, batch, TOKENS, layers), params, TOKENS)
     wanted = [j for j in os.environ.get("GPU_BENCH_PAIRED", "").split(",") if j]
     jobs = {job: spec for job, spec in jobs.items() if not wanted or job in wanted}
-    for _ in range(repeats):
+    for round_ in range(repeats):
+        # with ``GPU_BENCH_BESIDE=ab`` each job twice a round, on and off, the
+        # order turned each round
+        sides = ((True, False) if round_ % 2 == 0 else (False, True)) if BESIDE_AB else (None,)
         for job, (n, run, plain_params, tokens) in jobs.items():
-            plain_batch, batch = unique(n), unique(n)
-            plain_s = timed(lambda b=plain_batch, p=plain_params: llm.generate(b, p, use_tqdm=False))
-            job_s = timed(lambda b=batch, run=run: run(b))
-            rates = (
-                {"plain_ms": round(1000 * plain_s, 1), "ms": round(1000 * job_s, 1)}
-                if tokens is None
-                else {"plain_tok_s": round(n * tokens / plain_s, 1), "tok_s": round(n * tokens / job_s, 1)}
-            )
-            result(engine=name, job=f"{job}_pair", **rates, ratio=round(plain_s / job_s, 4))
+            for beside in sides:
+                if beside is not None:
+                    switch_beside(llm, beside)
+                plain_batch, batch = unique(n), unique(n)
+                plain_s = timed(lambda b=plain_batch, p=plain_params: llm.generate(b, p, use_tqdm=False))
+                (before,) = llm.collective_rpc("nnsight_stats")
+                job_s = timed(lambda b=batch, run=run: run(b))
+                (after,) = llm.collective_rpc("nnsight_stats")
+                rates = (
+                    {"plain_ms": round(1000 * plain_s, 1), "ms": round(1000 * job_s, 1)}
+                    if tokens is None
+                    else {
+                        "plain_tok_s": round(n * tokens / plain_s, 1),
+                        "tok_s": round(n * tokens / job_s, 1),
+                    }
+                )
+                collects = {
+                    key: after.get(f"collects_{key}", 0) - before.get(f"collects_{key}", 0)
+                    for key in ("beside_step", "waited")
+                }
+                side = "" if beside is None else ("_beside" if beside else "_waited")
+                result(
+                    engine=name, job=f"{job}_pair{side}", **rates, ratio=round(plain_s / job_s, 4), **collects
+                )
+        if BESIDE_AB:
+            switch_beside(llm, True)
         # latency: a plain one-token call, a one-token trace saving the logits, the lens
         walls = {"forward": [], "trace1": [], "lens": []}
         for p, q, r in zip(unique(10), unique(10), unique(10)):
@@ -1050,6 +1081,18 @@ def paired_jobs(model, llm, name: str, repeats: int, few: list, params, path: st
             job="latency_pair",
             **{job: round(1000 * statistics.median(w), 2) for job, w in walls.items()},
         )
+
+
+def switch_beside(llm, on: bool) -> None:
+    """Collects beside the step in flight on or off in the running engine's
+    workers (``Ready.switch``), so both run on one engine."""
+
+    def switch(worker, on):
+        from vllm_nnsight_plugin.worker.extension import runtime_of
+
+        runtime_of(worker.model_runner).ready.switch(on)
+
+    llm.collective_rpc(switch, args=(on,))
 
 
 def docs_tokens(model, batch, tokens, vector, python: bool) -> list[list[int]]:

@@ -24,3 +24,14 @@ def test_without_a_gpu_or_a_step_scheduled_ahead_every_collect_waits_as_before()
         with ready.reading(["b"]) as apart:
             assert apart is False
         assert ready.beside == 0
+
+
+def test_a_switch_forgets_the_latest_mark():
+    ready = Ready(enabled=False)
+    ready._latest = type("Output", (), {"num_scheduled_tokens": {"a": 1}})()  # a step marked earlier
+    assert ready.apart(["b"])
+    ready.switch(True)  # a mark made before the switch never serves a collect after it
+    assert not ready.apart(["b"])
+    assert ready.enabled == torch.cuda.is_available()
+    ready.switch(False)
+    assert not ready.enabled

@@ -64,6 +64,13 @@ class Ready:
         self._mark.record(stream)
         self._stream, self._latest = stream, scheduler_output
 
+    def switch(self, enabled: bool) -> None:
+        """Turn reading beside the step in flight on or off while the engine runs
+        (a benchmark's A/B on one engine). The latest mark is forgotten either
+        way: a collect never reads behind a mark made before the switch."""
+        self.enabled = enabled and torch.cuda.is_available()
+        self._latest = None
+
     def apart(self, request_ids: Iterable[str]) -> bool:
         """Whether these requests' saves can be read beside the step in flight:
         none of them is in the latest step begun."""
