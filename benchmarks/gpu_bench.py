@@ -92,6 +92,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import zipfile
 from pathlib import Path
@@ -1532,13 +1533,18 @@ def run(out: Path, path: str, engines: list[str], repeats: int) -> None:
         command = [sys.executable, __file__, "engine", name, path, str(repeats)]
         log = (out / f"{name}.log").open("w")
         started = time.perf_counter()
-        proc = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=log, text=True, timeout=560)
-        for line in proc.stdout.splitlines():
-            if line.startswith("RESULT "):
-                sink.write(line[7:] + "\n")
-                print(line, flush=True)
+        # Each result is written as it comes: an engine stopped at its time limit
+        # (or the machine's) leaves what it measured.
+        with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=log, text=True) as proc:
+            limit = threading.Timer(560, proc.kill)
+            limit.start()
+            for line in proc.stdout:
+                if line.startswith("RESULT "):
+                    sink.write(line[7:])
+                    sink.flush()
+                    print(line, end="", flush=True)
+            limit.cancel()
         print(f"# {name}: rc={proc.returncode} in {time.perf_counter() - started:.0f} s", flush=True)
-        sink.flush()
 
 
 def table(*paths: Path) -> str:
