@@ -25,6 +25,7 @@ Engines (MODEL_DIR holds a config and tokenizer; weights are ``load_format="dumm
                   calls, the lens, the sweep)
 - ``profile-taps`` the same on the tapped engine (lowered capture and steering)
 
+``GPU_BENCH_ENGINE_S`` (560) stops an engine's process after that many seconds.
 ``GPU_BENCH_LAYER`` and ``GPU_BENCH_PROMPT_LEN`` move the layer (18) and the prompt
 length (32), so that no figure depends on one setting.
 ``GPU_BENCH_TAPS`` (patterns, comma-separated) replaces the tapped engines' one
@@ -1536,7 +1537,7 @@ def run(out: Path, path: str, engines: list[str], repeats: int) -> None:
         # Each result is written as it comes: an engine stopped at its time limit
         # (or the machine's) leaves what it measured.
         with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=log, text=True) as proc:
-            limit = threading.Timer(560, proc.kill)
+            limit = threading.Timer(float(os.environ.get("GPU_BENCH_ENGINE_S", 560)), proc.kill)
             limit.start()
             for line in proc.stdout:
                 if line.startswith("RESULT "):
