@@ -25,7 +25,8 @@ Engines (MODEL_DIR holds a config and tokenizer; weights are ``load_format="dumm
                   calls, the lens, the sweep)
 - ``profile-taps`` the same on the tapped engine (lowered capture and steering)
 
-``GPU_BENCH_ENGINE_S`` (560) stops an engine's process after that many seconds.
+``GPU_BENCH_NO_IDLE=1`` skips the idle engine's plain runs (the paired jobs
+carry their own). ``GPU_BENCH_ENGINE_S`` (560) stops an engine's process after that many seconds.
 ``GPU_BENCH_LAYER`` and ``GPU_BENCH_PROMPT_LEN`` move the layer (18) and the prompt
 length (32), so that no figure depends on one setting.
 ``GPU_BENCH_TAPS`` (patterns, comma-separated) replaces the tapped engines' one
@@ -765,9 +766,10 @@ def vllm_engine(name: str, path: str, repeats: int) -> None:
         check_jobs(llm, name, few, path)
         return
 
-    for _ in range(repeats):
+    idle = 0 if os.environ.get("GPU_BENCH_NO_IDLE") else repeats
+    for _ in range(idle):
         result(engine=name, job="plain", tok_s=round(CONCURRENT * TOKENS / plain(unique(CONCURRENT)), 1))
-    for _ in range(repeats):  # a median, as for the rest
+    for _ in range(idle):  # a median, as for the rest
         if kind in ("graphs", "taps"):
             result(engine=name, job="plain1000", tok_s=round(MANY * TOKENS / plain(unique(MANY)), 1))
         if kind == "taps" or (kind == "graphs" and plugin == "off"):
