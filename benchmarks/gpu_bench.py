@@ -26,7 +26,8 @@ Engines (MODEL_DIR holds a config and tokenizer; weights are ``load_format="dumm
 - ``profile-taps`` the same on the tapped engine (lowered capture and steering)
 
 ``GPU_BENCH_NO_IDLE=1`` skips the idle engine's plain runs (the paired jobs
-carry their own). ``GPU_BENCH_ENGINE_S`` (560) stops an engine's process after that many seconds.
+carry their own); ``GPU_BENCH_ENGINE_S`` (560) stops an engine's process after
+that many seconds.
 ``GPU_BENCH_LAYER`` and ``GPU_BENCH_PROMPT_LEN`` move the layer (18) and the prompt
 length (32), so that no figure depends on one setting.
 ``GPU_BENCH_TAPS`` (patterns, comma-separated) replaces the tapped engines' one
