@@ -105,11 +105,10 @@ class WorkerRuntime:
         self.kernels: Any = None  # the eager kernels for a compiled engine's Python steps
         self.lowering = Lowering(runner)  # requests whose blocks run on the tap tables
         self.step: Step | None = None
-        self.stops = Stops(seams.schedules_ahead(seams.config_of(runner)))
+        ahead = seams.schedules_ahead(seams.config_of(runner))  # a step may be in flight
+        self.stops = Stops(ahead)
         self.noted_at_mark = 0
-        self.ready = Ready(
-            seams.schedules_ahead(seams.config_of(runner)) and bool(settings.value(settings.COLLECT_BESIDE))
-        )
+        self.ready = Ready(ahead and bool(settings.value(settings.COLLECT_BESIDE)))
         self.uncollected = Uncollected(float(settings.value(settings.UNCOLLECTED_S)))
         self.step_watch, self.pack_watch = watchdogs()
 
