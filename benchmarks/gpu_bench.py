@@ -980,9 +980,17 @@ def collect_check(model, llm, name: str, batch: list) -> None:
         job="collect_check",
         lowered=after["lowered"] - before["lowered"],
         **rows_against(lowered_rows, python_rows),
-        beside=after.get("collects_beside_step", 0) - before.get("collects_beside_step", 0),
-        waited=after.get("collects_waited", 0) - before.get("collects_waited", 0),
+        **collects_between(before, after),
     )
+
+
+def collects_between(before: dict, after: dict) -> dict:
+    """How many collects between two ``nnsight_stats`` read their saves beside the
+    step in flight, and how many waited for the device (``worker/ready.py``)."""
+    return {
+        side: after.get(f"collects_{key}", 0) - before.get(f"collects_{key}", 0)
+        for side, key in (("beside", "beside_step"), ("waited", "waited"))
+    }
 
 
 def rows_against(lowered_rows: list, python_rows: list) -> dict:
@@ -1065,13 +1073,13 @@ def paired_jobs(model, llm, name: str, repeats: int, few: list, params, path: st
                         "tok_s": round(n * tokens / job_s, 1),
                     }
                 )
-                collects = {
-                    key: after.get(f"collects_{key}", 0) - before.get(f"collects_{key}", 0)
-                    for key in ("beside_step", "waited")
-                }
                 side = "" if beside is None else ("_beside" if beside else "_waited")
                 result(
-                    engine=name, job=f"{job}_pair{side}", **rates, ratio=round(plain_s / job_s, 4), **collects
+                    engine=name,
+                    job=f"{job}_pair{side}",
+                    **rates,
+                    ratio=round(plain_s / job_s, 4),
+                    **collects_between(before, after),
                 )
         if BESIDE_AB:
             switch_beside(llm, True)
