@@ -53,6 +53,8 @@ waiting (``GPU_BENCH_TIMELINE=plain_sweep,sweep`` picks some); ``checks``:
 lowered edits against the same blocks as Python, greedy tokens, on the tapped engine).
 ``GPU_BENCH_REAL=1`` loads real weights (e.g. SmolLM2) instead of dummy ones;
 ``GPU_BENCH_SMALL=1`` shrinks everything for a dry run of the script on a CPU.
+Traced jobs pass ``use_tqdm=False``, as their plain runs do: a trace of many
+prompts would otherwise draw vLLM's progress bar, which the plain side does not.
 
 Jobs: ``plain`` 64 prompts x 128 tokens (repeated), ``plain1000`` 1,000 x 128,
 ``forward`` one fresh 32-token prompt, one token (latency), ``plain_sweep`` 1,024 prompts
@@ -193,7 +195,9 @@ def rate(name: str, job: str, repeats: int, run, tokens: int | None = None) -> N
 
 def steer(model, batch, tokens, vector) -> None:
     layer = model.model.layers[LAYER]
-    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+    with model.trace(
+        temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False, use_tqdm=False
+    ) as tracer:
         for ids in batch:
             with tracer.invoke(ids):
                 for _ in tracer.iter[:tokens]:
@@ -204,7 +208,9 @@ def steer_as_the_docs_write_it(model, batch, tokens, vector) -> None:
     """The user docs' steering loop as written: the tap's value named, a scale, and
     the client's float32 CPU vector moved to the value's dtype and device."""
     layer = model.model.layers[LAYER]
-    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+    with model.trace(
+        temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False, use_tqdm=False
+    ) as tracer:
         for ids in batch:
             with tracer.invoke(ids):
                 for _ in tracer.iter[:tokens]:
@@ -217,7 +223,9 @@ def steer_spelled_otherwise(model, batch, tokens, vector) -> None:
     first, subtracted (lowered by what it computes, ``taps/meaning.py``)."""
     layer = model.model.layers[LAYER]
     away = -vector
-    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+    with model.trace(
+        temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False, use_tqdm=False
+    ) as tracer:
         for ids in batch:
             with tracer.invoke(ids):
                 for _ in tracer.iter[:tokens]:
@@ -249,7 +257,9 @@ def project(model, batch, tokens, change) -> None:
     """A direction removed (or clamped) at every step with the steering page's
     helper, called on the layer's output as the page calls it."""
     layer = model.model.layers[LAYER]
-    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+    with model.trace(
+        temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False, use_tqdm=False
+    ) as tracer:
         for ids in batch:
             with tracer.invoke(ids):
                 for _ in tracer.iter[:tokens]:
@@ -268,7 +278,9 @@ def patch(model, batch, tokens, rows) -> None:
     """Activation patching as the patching page writes it: each invoke sets the
     layer's hidden state and residual at one prompt position to the clean
     prompt's (positions in turn), then generates."""
-    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+    with model.trace(
+        temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False, use_tqdm=False
+    ) as tracer:
         for i, ids in enumerate(batch):
             position = i % PROMPT_LEN
             hidden_row, residual_row = (half[position] for half in rows)
@@ -300,7 +312,9 @@ def patched_tokens(model, batch, rows, python: bool) -> list[list[int]]:
     """:func:`patch`'s block at the last position, 16 greedy tokens each; as Python
     (a read of the embedding beside it) or lowered."""
     hidden_row, residual_row = (half[-1] for half in rows)
-    with model.trace(temperature=0.0, max_tokens=SHORT, ignore_eos=True, detokenize=False) as tracer:
+    with model.trace(
+        temperature=0.0, max_tokens=SHORT, ignore_eos=True, detokenize=False, use_tqdm=False
+    ) as tracer:
         for ids in batch:
             with tracer.invoke(ids):
                 if python:  # decided as the request arrives: a read that is no tap, or none
@@ -316,7 +330,9 @@ def ablate(model, batch, tokens) -> None:
     """An ablation held at every step: a head's worth of the layer's columns zeroed
     on every row (the ablation page's head, on the layer's output)."""
     layer = model.model.layers[LAYER]
-    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+    with model.trace(
+        temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False, use_tqdm=False
+    ) as tracer:
         for ids in batch:
             with tracer.invoke(ids):
                 for _ in tracer.iter[:tokens]:
@@ -326,7 +342,9 @@ def ablate(model, batch, tokens) -> None:
 def project_tokens(model, batch, tokens, change) -> list[list[int]]:
     """:func:`project`'s block (lowered on a tapped engine); each request's tokens."""
     layer = model.model.layers[LAYER]
-    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+    with model.trace(
+        temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False, use_tqdm=False
+    ) as tracer:
         for ids in batch:
             with tracer.invoke(ids):
                 for _ in tracer.iter[:tokens]:
@@ -338,7 +356,9 @@ def project_tokens(model, batch, tokens, change) -> list[list[int]]:
 def project_tokens_python(model, batch, tokens, change) -> list[list[int]]:
     """The same with a read of a module that is not a tap first: Python."""
     layer = model.model.layers[LAYER]
-    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+    with model.trace(
+        temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False, use_tqdm=False
+    ) as tracer:
         for ids in batch:
             with tracer.invoke(ids):
                 for _ in tracer.iter[:tokens]:
@@ -353,7 +373,9 @@ def steer_and_draw(model, batch, tokens, vector) -> list[list[int]]:
     (``tracer.all()``), each step's drawn token kept (Python at the sampler, the
     edit on the taps: a split block); each request's tokens."""
     layer = model.model.layers[LAYER]
-    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+    with model.trace(
+        temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False, use_tqdm=False
+    ) as tracer:
         for ids in batch:
             with tracer.invoke(ids):
                 drawn = list().save()
@@ -375,7 +397,9 @@ def plain_tokens(llm, batch, tokens) -> list[list[int]]:
 def steer_tokens(model, batch, tokens, vector) -> list[list[int]]:
     """The steering block (lowered on a tapped engine); each request's tokens."""
     layer = model.model.layers[LAYER]
-    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+    with model.trace(
+        temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False, use_tqdm=False
+    ) as tracer:
         for ids in batch:
             with tracer.invoke(ids):
                 for _ in tracer.iter[:tokens]:
@@ -387,7 +411,9 @@ def steer_tokens(model, batch, tokens, vector) -> list[list[int]]:
 def steer_tokens_python(model, batch, tokens, vector) -> list[list[int]]:
     """The same edit written so that it runs as Python (an assignment, not ``+=``)."""
     layer = model.model.layers[LAYER]
-    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+    with model.trace(
+        temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False, use_tqdm=False
+    ) as tracer:
         for ids in batch:
             with tracer.invoke(ids):
                 for _ in tracer.iter[:tokens]:
@@ -408,7 +434,9 @@ def capture_python(model, batch, tokens) -> list:
     """The same capture written so that it runs as Python (two statements, and a
     read of a location that is not a tap, or it would be served at the sampler)."""
     layer = model.model.layers[LAYER]
-    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+    with model.trace(
+        temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False, use_tqdm=False
+    ) as tracer:
         for ids in batch:
             with tracer.invoke(ids):
                 rows = list().save()
@@ -422,7 +450,9 @@ def capture_python(model, batch, tokens) -> list:
 def capture_rows(model, batch, tokens) -> list:
     """The capture block (lowered on a tapped engine); each request's kept rows."""
     layer = model.model.layers[LAYER]
-    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+    with model.trace(
+        temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False, use_tqdm=False
+    ) as tracer:
         for ids in batch:
             with tracer.invoke(ids):
                 rows = list().save()
@@ -434,7 +464,9 @@ def capture_rows(model, batch, tokens) -> list:
 def probe_rows(model, batch, tokens, layers: int) -> list:
     """A probe's rows: every layer's last row at every step (lowered onto the taps
     where every layer is one); each request's list of ``tokens * layers`` rows."""
-    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+    with model.trace(
+        temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False, use_tqdm=False
+    ) as tracer:
         for ids in batch:
             with tracer.invoke(ids):
                 rows = list().save()
@@ -453,7 +485,9 @@ def lens_each_step(model, batch, tokens) -> None:
     kept: a read served at the sampler on a tapped engine (the norm and the
     unembedding run there), Python on any other."""
     layer = model.model.layers[LAYER]
-    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+    with model.trace(
+        temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False, use_tqdm=False
+    ) as tracer:
         for ids in batch:
             with tracer.invoke(ids):
                 guesses = list().save()
@@ -469,7 +503,9 @@ def lens_among_plain(model, llm, batch, tokens) -> None:
     from vllm import SamplingParams
 
     layer = model.model.layers[LAYER]
-    with model.requests(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+    with model.requests(
+        temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False, use_tqdm=False
+    ) as tracer:
         with tracer.invoke(batch[0]):
             guesses = list().save()
             for _ in tracer.iter[:tokens]:
@@ -491,7 +527,9 @@ def halve_if_large(model, batch, tokens, among_plain=None) -> list:
 
     layer = model.model.layers[LAYER]
     traced = batch if among_plain is None else batch[:1]
-    with model.requests(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+    with model.requests(
+        temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False, use_tqdm=False
+    ) as tracer:
         for ids in traced:
             with tracer.invoke(ids):
                 for _ in tracer.iter[:tokens]:
@@ -510,7 +548,9 @@ def halve(model, batch, tokens, decided: bool) -> list:
     holds (``decided``: Python at the taps) or as the lowered edit; their greedy
     tokens are compared (``at_taps_check``)."""
     layer = model.model.layers[LAYER]
-    with model.requests(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+    with model.requests(
+        temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False, use_tqdm=False
+    ) as tracer:
         for ids in batch:
             with tracer.invoke(ids):
                 for _ in tracer.iter[:tokens]:
@@ -528,7 +568,9 @@ def carry_between_taps(model, batch, tokens) -> None:
     """A value carried from one tap to a later one in the same step (the stream
     norm after the layer before the benchmark's rescales its output): no table runs it."""
     first, second = model.model.layers[LAYER - 1], model.model.layers[LAYER]
-    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+    with model.trace(
+        temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False, use_tqdm=False
+    ) as tracer:
         for ids in batch:
             with tracer.invoke(ids):
                 for _ in tracer.iter[:tokens]:
@@ -541,7 +583,9 @@ def carry_between_taps(model, batch, tokens) -> None:
 def prompt_read(model, batch, tokens) -> list:
     """Each request keeps one layer's last prompt row (a sweep's read), then generates."""
     layer = model.model.layers[LAYER]
-    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+    with model.trace(
+        temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False, use_tqdm=False
+    ) as tracer:
         for ids in batch:
             with tracer.invoke(ids):
                 last = layer.output[0][-1].clone().save()
@@ -568,7 +612,7 @@ def lens(model, ids):
 def sweep(model, batch) -> list:
     """One trace, one invoke per prompt, each keeping one layer's last row."""
     layer = model.model.layers[LAYER]
-    with model.trace(temperature=0.0, max_tokens=1, detokenize=False) as tracer:
+    with model.trace(temperature=0.0, max_tokens=1, detokenize=False, use_tqdm=False) as tracer:
         for ids in batch:
             with tracer.invoke(ids):
                 last = layer.output[0][-1].clone().save()
@@ -678,7 +722,9 @@ def steer_every_step(model, batch, tokens, vector) -> None:
     """The steering page's loop over every step (``tracer.all()``), one vector for
     every request: requests sharing a prefix share its steered KV."""
     layer = model.model.layers[LAYER]
-    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+    with model.trace(
+        temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False, use_tqdm=False
+    ) as tracer:
         for ids in batch:
             with tracer.invoke(ids):
                 for _ in tracer.all():
@@ -956,7 +1002,7 @@ def staggered_rows(model, batch, python: bool) -> list:
     collect comes with a step on the device. ``python``: beside a read that is no
     tap, so the same keep runs as Python."""
     layer = model.model.layers[LAYER]
-    with model.trace(temperature=0.0, ignore_eos=True, detokenize=False) as tracer:
+    with model.trace(temperature=0.0, ignore_eos=True, detokenize=False, use_tqdm=False) as tracer:
         for i, ids in enumerate(batch):
             with tracer.invoke(ids, max_tokens=2 + 3 * i):
                 rows = list().save()
@@ -1112,7 +1158,9 @@ def docs_tokens(model, batch, tokens, vector, python: bool) -> list[list[int]]:
     """The docs' steering loop (a host vector moved with ``.to(hidden)``), lowered,
     or as Python (a read that is no tap beside it); each request's tokens."""
     layer = model.model.layers[LAYER]
-    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
+    with model.trace(
+        temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False, use_tqdm=False
+    ) as tracer:
         for ids in batch:
             with tracer.invoke(ids):
                 if python:

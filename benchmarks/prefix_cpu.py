@@ -38,7 +38,7 @@ def batch_of(tokenizer, run: int, prompts: int, prefix: int, own: int) -> list[d
 
 
 def trace(model, batch: list[dict], whole: bool) -> list:
-    with model.trace(temperature=0.0, max_tokens=1) as tracer:
+    with model.trace(temperature=0.0, max_tokens=1, use_tqdm=False) as tracer:
         for prompt in batch:
             with tracer.invoke(prompt):
                 if whole:
