@@ -20,7 +20,10 @@ the host (double-buffered, so filling the next step never races the upload of
 the last one) and uploaded in one copy; nothing is uploaded while no request is
 lowered. Each lowered request's per-step state lives in arrays indexed by its
 entry, so a step's fill is a handful of array operations whatever the number of
-requests.
+requests. A decode step that repeats the last one (the same requests in the same
+rows, none added or taken off, each still inside or outside its window, none
+keeping rows at a new place) would write the same table: its fill only counts the
+step, and nothing is uploaded (``_Repeat``).
 """
 
 from __future__ import annotations
@@ -48,6 +51,30 @@ _PICKS = {-1: 1, 0: 2}
 #: An edit of each step's last k rows (``hidden[-k:]``), or of row p of a step
 #: (a patch of the prompt's rows, on the first step).
 _LAST_ROWS, _ROW = 3, 4
+
+
+class _Repeat:
+    """What a fill wrote the table from, where the next step's table would be the
+    same if nothing here changed: a decode step (one row a request, not anyone's
+    first) whose entries steer, or keep each step's rows over the last step's
+    (``_ring``), so none writes a place that moves with the step."""
+
+    __slots__ = ("changes", "req_ids", "bounds", "entries", "live", "kept")
+
+    def __init__(
+        self,
+        changes: int,
+        req_ids: tuple,
+        bounds: np.ndarray,
+        entries: np.ndarray,
+        live: np.ndarray,
+        kept: int,
+    ) -> None:
+        self.changes = changes  # ``TapTables._changes`` when it was written
+        self.req_ids, self.bounds = req_ids, bounds.copy()
+        self.entries = entries  # every entry the step counted (a request's extra sites too)
+        self.live = live  # which of them were inside their window
+        self.kept = kept  # rows it added to ``kept_rows``
 
 
 def _row_of(index: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -199,6 +226,11 @@ class TapTables:
         )
         self._lowered: list[Lowered | None] = [None] * entries
         self.kept_rows = 0
+        #: entries added or given back so far: a repeated fill holds only while none was
+        self._changes = 0
+        self._repeat: _Repeat | None = None
+        #: fills that repeated the last one (nothing written, nothing uploaded)
+        self.repeated = 0
 
     # ------------------------------------------------------------ requests
     def add(
@@ -234,6 +266,7 @@ class TapTables:
                 return False
             lowered.base, lowered.rows = bases[0], room
             lowered.regions = tuple(zip((lowered.site, *also), bases))
+        self._changes += 1
         entry = lowered.entry = self.free.pop()
         if vector is not None:
             slot = lowered.slot = self.bank_free.pop()
@@ -371,6 +404,7 @@ class TapTables:
     def _give_back(self, request_id: str, lowered: Lowered) -> None:
         if lowered.retired is not None:
             return
+        self._changes += 1
         entry = self._entry_of.pop(request_id)
         lowered.retired = (int(self._steps[entry]), int(self._done[entry]), int(self._first[entry]))
         for each in (entry, *self._also_of.pop(request_id, ())):
@@ -420,6 +454,10 @@ class TapTables:
         ``req_ids`` are the step's requests in row order and ``bounds`` their
         row offsets (``len(req_ids) + 1`` of them).
         """
+        bounds = np.asarray(bounds, dtype=np.int64)
+        if self._repeats(req_ids, bounds):
+            self.repeated += 1
+            return
         staging = self._staging[self._turn]
         table = staging.numpy()
         dirty = self._dirty[self._turn]
@@ -427,7 +465,7 @@ class TapTables:
             table[:dirty, 0] = -1
             table[:dirty, 1:] = 0
         self._busy[:] = False
-        used = self._place(table, req_ids, np.asarray(bounds, dtype=np.int64))
+        used = self._place(table, req_ids, bounds)
         self._dirty[self._turn] = used
         rows = max(used, self._uploaded)
         if rows:
@@ -436,6 +474,22 @@ class TapTables:
         self._uploaded = used
         if self._told:
             ops.quiet(self._table, (~self._busy).tolist())
+
+    def _repeats(self, req_ids: Any, bounds: np.ndarray) -> bool:
+        """Whether this step's table is the last fill's (``_Repeat``); if so, the
+        step is counted as ``_place`` counts it."""
+        last = self._repeat
+        if last is None or last.changes != self._changes or not np.array_equal(bounds, last.bounds):
+            return False
+        if tuple(req_ids) != last.req_ids:
+            return False
+        entries = last.entries
+        steps = self._steps[entries]
+        if not np.array_equal((self._start[entries] <= steps) & (steps < self._stop[entries]), last.live):
+            return False
+        self._steps[entries] = steps + 1
+        self.kept_rows += last.kept
+        return True
 
     def only_filled(self) -> None:
         """From now on only ``fill`` writes the table: the taps, where they run from
@@ -446,6 +500,7 @@ class TapTables:
 
     def _place(self, table: np.ndarray, req_ids: list[str], bounds: np.ndarray) -> int:
         """Write this step's entries into ``table``; the rows used."""
+        self._repeat = None
         get = self._entry_of.get
         found = np.fromiter((get(r, -1) for r in req_ids), dtype=np.int64, count=len(req_ids))
         rows = np.flatnonzero(found >= 0)
@@ -464,7 +519,9 @@ class TapTables:
         counts = bounds[rows + 1] - bounds[rows]
         self._first[entries[steps == 0]] = counts[steps == 0]
         live = (self._start[entries] <= steps) & (steps < self._stop[entries])
+        counted, in_window = entries, live
         if not live.any():
+            self._remember(req_ids, bounds, counted, in_window, counts, steps, 0)
             return 0
         entries, starts, counts, steps = entries[live], bounds[rows[live]], counts[live], steps[live]
         odd = (counts != 1) & (steps > 0)
@@ -509,7 +566,28 @@ class TapTables:
             added = np.where(self._pick[entries] == 0, counts, 1)[mine]
             self._done[entries[mine]] += np.where(self._ring[entries[mine]], 0, added)
             self.kept_rows += int(added.sum())
+        self._remember(
+            req_ids, bounds, counted, in_window, counts, steps, int(added.sum()) if keeping.any() else 0
+        )
         return int((starts + counts).max())
+
+    def _remember(
+        self,
+        req_ids: Any,
+        bounds: np.ndarray,
+        counted: np.ndarray,
+        in_window: np.ndarray,
+        counts: np.ndarray,
+        steps: np.ndarray,
+        kept: int,
+    ) -> None:
+        """Keep what this fill wrote from where the next step may repeat it
+        (``_Repeat``): a decode step past everyone's first forward, whose keeping
+        entries all keep at a place that does not move."""
+        live = counted[in_window]
+        if (counts != 1).any() or (steps == 0).any() or (self._kind[live] & ~self._ring[live]).any():
+            return
+        self._repeat = _Repeat(self._changes, tuple(req_ids), bounds, counted, in_window, kept)
 
     def idle(self) -> bool:
         """Nothing lowered and nothing left in the device table: no fill, no upload."""
@@ -523,6 +601,7 @@ class TapTables:
             "lowered_now": len(self.requests),
             "kept_rows": self.kept_rows,
             "kept_free_rows": self.regions.free_rows(),
+            "fills_repeated": self.repeated,
         }
 
 
