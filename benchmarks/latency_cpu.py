@@ -49,7 +49,7 @@ def main() -> None:
     here = Path(__file__).resolve().parent
     sys.path.insert(0, str(here))
     import gpu_bench as blocks
-    from profile_cpu import engine
+    from profile_cpu import engine, fresh_ids
 
     llm = engine(args.layers, ["layers"])
     model = VLLM(llm)
@@ -61,8 +61,7 @@ def main() -> None:
     one = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
 
     def fresh() -> list[int]:
-        run = next(runs)
-        return [2 + run % 400, 2 + run // 400, 3, 4, 5, 6, 7, 8]
+        return fresh_ids(1, next(runs))[0]
 
     jobs = {
         "plain": lambda: llm.generate([TokensPrompt(prompt_token_ids=fresh())], one, use_tqdm=False),
@@ -92,6 +91,7 @@ def sweeps(llm, model, blocks, n: int, rounds: int) -> None:
     import gc
 
     import phases_cpu as phases
+    from profile_cpu import fresh_ids
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.v1.engine import llm_engine
@@ -107,8 +107,7 @@ def sweeps(llm, model, blocks, n: int, rounds: int) -> None:
     runs = iter(range(1_000_000))
 
     def ids() -> list[list[int]]:
-        run = next(runs)
-        return [[2 + run % 400, 2 + run // 400, 2 + i % 400, 2 + i // 400, 5, 6, 7, 8] for i in range(n)]
+        return fresh_ids(n, next(runs))
 
     one = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
     jobs = {

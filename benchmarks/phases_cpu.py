@@ -113,7 +113,7 @@ def main() -> None:
     here = Path(__file__).resolve().parent
     sys.path.insert(0, str(here))
     import gpu_bench as blocks
-    from profile_cpu import engine
+    from profile_cpu import engine, fresh_ids
 
     llm = engine(36, ["model.layers.18.output"])
     model = VLLM(llm)
@@ -124,9 +124,7 @@ def main() -> None:
     runs = iter(range(1_000_000))
 
     def ids(n: int) -> list[list[int]]:
-        """``n`` prompts of 8 tokens that no earlier call used (``profile_cpu.py``'s)."""
-        run = next(runs)
-        return [[2 + run % 400, 2 + run // 400, 2 + i % 400, 2 + i // 400, 5, 6, 7, 8] for i in range(n)]
+        return fresh_ids(n, next(runs))
 
     one = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
     jobs = {

@@ -70,6 +70,13 @@ def build_model(folder: Path, layers: int) -> str:
     return build_tiny_qwen3(folder, layers=layers, max_positions=1024)
 
 
+def fresh_ids(n: int, run: int) -> list[list[int]]:
+    """``n`` prompts of 8 tokens, of the tiny vocabulary, that no other ``run`` uses:
+    a plain request would otherwise be served from the prefix cache (a traced one
+    that reads every row never is)."""
+    return [[2 + run % 400, 2 + run // 400, 2 + i % 400, 2 + i // 400, 5, 6, 7, 8] for i in range(n)]
+
+
 def engine(layers: int, taps: list[str]) -> Any:
     """The engine the CPU profiles share: the random Qwen3 of ``layers`` layers,
     float32, eager, 256 requests a step, ``taps`` tapped (none: ``[]``)."""
@@ -160,10 +167,7 @@ def main() -> None:
     runs = iter(range(1_000_000))
 
     def ids(n: int) -> list[list[int]]:
-        """``n`` prompts of 8 tokens that no earlier call used: a plain request
-        would otherwise be served from the prefix cache (a traced one never is)."""
-        run = next(runs)
-        return [[2 + run % 400, 2 + run // 400, 2 + i % 400, 2 + i // 400, 5, 6, 7, 8] for i in range(n)]
+        return fresh_ids(n, next(runs))
 
     @functools.cache
     def clean() -> tuple:
