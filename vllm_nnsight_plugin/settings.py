@@ -310,11 +310,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         COLLECT_BESIDE,
         _flag,
-        False,
+        True,
         "flag",
-        "`1`: on a GPU engine that schedules ahead, a collect whose requests are not in the step in "
-        "flight reads their saves beside that step, on a stream of its own (unset: it waits for the "
-        "whole device first; not yet measured on a GPU)",
+        "on a GPU engine that schedules ahead, a collect whose requests are not in the step in "
+        "flight reads their saves beside that step, on a stream of its own; `0`: it waits for the "
+        "whole device first",
     ),
     Setting(
         TRUST_SERVER,

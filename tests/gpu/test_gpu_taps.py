@@ -34,9 +34,9 @@ TAPS = {"nnsight_taps": SESSION_TAPS}  # decoder layers, an attention operation,
 def tapped(smollm2_path):
     # graphs and torch.compile, the graph split at each tap (blocks at the taps
     # replay the pieces between them; docs/taps.md, "Python at the taps")
-    # collects read beside the step in flight (``worker/ready.py``), so every test
-    # here checks saves collected that way
-    env = {"VLLM_NNSIGHT_SPLIT_AT_TAPS": "1", "VLLM_NNSIGHT_COLLECT_BESIDE": "1"}
+    # collects read beside the step in flight by default (``worker/ready.py``), so
+    # every test here checks saves collected that way
+    env = {"VLLM_NNSIGHT_SPLIT_AT_TAPS": "1"}
     return start(smollm2_path, env=env, additional_config=TAPS)
 
 
