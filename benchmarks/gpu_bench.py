@@ -503,9 +503,7 @@ def lens_among_plain(model, llm, batch, tokens) -> None:
     from vllm import SamplingParams
 
     layer = model.model.layers[LAYER]
-    with model.requests(
-        temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False, use_tqdm=False
-    ) as tracer:
+    with model.requests(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
         with tracer.invoke(batch[0]):
             guesses = list().save()
             for _ in tracer.iter[:tokens]:
@@ -527,9 +525,7 @@ def halve_if_large(model, batch, tokens, among_plain=None) -> list:
 
     layer = model.model.layers[LAYER]
     traced = batch if among_plain is None else batch[:1]
-    with model.requests(
-        temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False, use_tqdm=False
-    ) as tracer:
+    with model.requests(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
         for ids in traced:
             with tracer.invoke(ids):
                 for _ in tracer.iter[:tokens]:
@@ -548,9 +544,7 @@ def halve(model, batch, tokens, decided: bool) -> list:
     holds (``decided``: Python at the taps) or as the lowered edit; their greedy
     tokens are compared (``at_taps_check``)."""
     layer = model.model.layers[LAYER]
-    with model.requests(
-        temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False, use_tqdm=False
-    ) as tracer:
+    with model.requests(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False) as tracer:
         for ids in batch:
             with tracer.invoke(ids):
                 for _ in tracer.iter[:tokens]:
