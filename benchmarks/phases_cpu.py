@@ -19,7 +19,9 @@ Jobs: ``sweep`` 1,024 prompts x 1 token in one trace, each keeping layer 18's
 last row (``gpu_bench.sweep``); ``plain_sweep`` the same prompts plain;
 ``steer`` 64 x ``--tokens`` (4) with the seeds' loop, ``steer_docs`` the docs'
 loop, ``plain_steer`` the same plain; ``trace1`` twenty one-token traces saving
-the logits one after another, ``plain1`` twenty plain one-token calls. The
+the logits one after another, ``plain1`` twenty plain one-token calls;
+``patch`` 64 invokes x ``--tokens``, each patching one prompt position of layer
+18 from a clean prompt's rows (``gpu_bench.patch``). The
 worker's per-step phases (the tables' fill, the forward's start, the sampler's
 two calls) are timed too, so a per-step cost shows apart from a per-request one.
 """
@@ -118,6 +120,7 @@ def main() -> None:
     llm = engine(36, ["model.layers.18.output"])
     model = VLLM(llm)
     blocks.LAYER = 18
+    blocks.PROMPT_LEN = len(fresh_ids(1, 0)[0])  # the positions patching picks from
     instrument()
     torch.manual_seed(0)
     vector = torch.randn(128)
@@ -125,6 +128,13 @@ def main() -> None:
 
     def ids(n: int) -> list[list[int]]:
         return fresh_ids(n, next(runs))
+
+    clean: list = []  # the rows patching restores, from the first call that needs them
+
+    def patch() -> None:
+        if not clean:
+            clean.append(blocks.clean_rows(model, ids(1)[0]))
+        blocks.patch(model, ids(64), args.tokens, clean[0])
 
     one = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
     jobs = {
@@ -142,6 +152,7 @@ def main() -> None:
         ],
         "trace1": lambda: [blocks.trace1(model, ids(1)[0]) for _ in range(20)],
         "steer": lambda: blocks.steer(model, ids(64), args.tokens, vector),
+        "patch": patch,
         "steer_docs": lambda: blocks.steer_as_the_docs_write_it(model, ids(64), args.tokens, vector),
     }
     for name in args.jobs.split(","):

@@ -36,3 +36,45 @@ def test_equal_storages_save_alike_once_renamed_and_load_unchanged():
 def test_anything_else_comes_back_as_it_came():
     for blob in (b"", b"not a pickle", _saved(torch.ones(2))[:40], b"\\x80\\x02K\\x01."):
         assert canonical_storage(blob) == blob
+
+
+def test_a_tensor_that_owns_its_storage_travels_as_its_bytes():
+    """``tensor_args`` reads what ``rebuild_tensor`` makes again: the same values,
+    dtype, shape and device, in a storage of its own; equal values read alike."""
+    from vllm_nnsight_plugin.wire.canonical import rebuild_tensor, tensor_args
+
+    torch.manual_seed(0)
+    for tensor in (
+        torch.randn(3, 576),
+        torch.randn(576).to(torch.bfloat16),
+        torch.arange(7, dtype=torch.int64),
+        torch.tensor([True, False, True]),
+        torch.tensor(2.5),  # no dimensions
+        torch.randn(2, 3, 4).half(),
+    ):
+        args = tensor_args(tensor)
+        assert args is not None and args == tensor_args(tensor.clone())
+        again = rebuild_tensor(*args)
+        assert again.dtype == tensor.dtype and again.shape == tensor.shape and again.device == tensor.device
+        assert torch.equal(again, tensor) and again.stride() == tensor.stride()
+        assert again.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr()
+    assert tensor_args(torch.ones(3)) != tensor_args(torch.zeros(3))
+
+
+def test_anything_but_a_plain_tensor_owning_its_storage_is_left_to_torch():
+    from vllm_nnsight_plugin.wire.canonical import tensor_args
+
+    base = torch.randn(4, 8)
+    tagged = torch.randn(3)
+    tagged.note = "kept"  # an attribute torch's pickle keeps
+    for tensor in (
+        base[1],  # a view inside a larger storage
+        base[:2],  # the start of one
+        base.t(),  # not contiguous
+        torch.randn(3, requires_grad=True),
+        torch.nn.Parameter(torch.randn(3)),  # a subclass
+        torch.empty(0),
+        tagged,
+        torch.eye(3).to_sparse(),
+    ):
+        assert tensor_args(tensor) is None

@@ -289,3 +289,47 @@ def test_invokes_patching_rows_of_one_activation_each_carry_their_row(trees):
         block = nns.load_block(payload, persistent)
         assert torch.equal(block.lcls["row"], clean[0][position])
         assert torch.equal(block.lcls["residual_row"], clean[1][position])
+
+
+def test_a_captured_tensor_owning_its_storage_travels_as_its_bytes(trees):
+    """A captured tensor that owns its storage goes as its bytes (no torch save in
+    the payload) and loads as torch's pickle loads it: the same values, dtype and
+    shape, a storage of its own; a view inside a larger storage goes as torch
+    pickles it."""
+    import pickle
+    import pickletools
+
+    from vllm_nnsight_plugin.wire.envelope import open_envelope
+
+    client, worker = trees
+    client_nns.reduce_once()
+    vector = torch.randn(576)
+    whole = torch.randn(2, 576)
+    both = whole.view(2 * 576)  # the same storage, whole, under another shape
+    column = whole[:, 5]  # not contiguous: torch's pickle
+    with client.requests(temperature=0.0, max_tokens=2) as tracer:
+        with tracer.invoke("The capital of France is"):
+            client.model.layers[3].output[0][:] += vector
+        with tracer.invoke("The capital of France is"):
+            client.model.layers[3].output[0][:] += whole[0] + both[:576] + column.sum()
+    payloads = []
+    for params in tracer.prepared.params:
+        envelope = open_envelope(
+            params.extra_args["nnsight"], nnsight_version=SUPPORTED_NNSIGHT, plugin_version="x"
+        )
+        payloads.append(envelope.block_bytes())
+    named = [
+        {str(arg) for op, arg, _ in pickletools.genops(p) if op.name == "SHORT_BINUNICODE"} for p in payloads
+    ]
+    assert "rebuild_tensor" in named[0] and "_load_from_bytes" not in named[0]
+    assert {"rebuild_tensor", "_load_from_bytes"} <= named[1]
+    persistent = {**nns.persistent_objects(worker), **envoy_references(worker)}
+    alone = nns.load_block(payloads[0], persistent)
+    assert torch.equal(alone.lcls["vector"], vector) and alone.lcls["vector"].dtype == vector.dtype
+    loaded = nns.load_block(payloads[1], persistent).lcls
+    theirs = pickle.loads(pickle.dumps((whole, both, column)))  # torch's own
+    for ours, reference in zip((loaded["whole"], loaded["both"], loaded["column"]), theirs, strict=True):
+        assert torch.equal(ours, reference) and ours.stride() == reference.stride()
+    loaded["both"][0] = 123.0
+    theirs[1][0] = 123.0
+    assert loaded["whole"][0, 0].item() == theirs[0][0, 0].item() != 123.0  # no storage shared, as torch's

@@ -17,10 +17,12 @@ the same captured values. :func:`reduce_once` installs two memos:
   steering vector on a GPU is then copied to the host once per trace, not once
   per request.
 
-A captured tensor is pickled with its storage's bytes renamed as a function of its
-value (``wire/canonical.py``): torch names a storage by its address, and equal
-vectors that are different objects would give different bytes, so requests making
-the same edit would not share its KV (``prefix.py``).
+A captured tensor's pickle is a function of its value (``wire/canonical.py``):
+torch names a storage by its address, and equal vectors that are different
+objects would give different bytes, so requests making the same edit would not
+share its KV (``prefix.py``). A tensor that owns its storage travels as its bytes,
+dtype, shape and device; any other is torch's pickle with the storage renamed. A
+block's state is read once per invoke, for the memo's key and its pickle alike.
 
 The reduction also sends each captured view of a larger tensor as a copy of its own
 (:func:`compacted`): a row taken from a saved ``[tokens, hidden]`` activation
@@ -36,6 +38,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import contextvars
+import copyreg
 import functools
 import io
 import types
@@ -50,7 +53,7 @@ from nnsight.intervention.interleaver import Mediator
 from nnsight.intervention.tracer import InterleavingTracer  # noqa: F401 - the client's name for it (model.py)
 from nnsight.tracing.tracer import Tracer
 
-from ..wire.canonical import canonical_storage
+from ..wire.canonical import canonical_storage, rebuild_tensor, tensor_args
 from ..wire.references import reference_of
 
 #: ``(module, attribute)`` of every private nnsight name used here, checked by
@@ -293,17 +296,17 @@ def _pure(value: Any) -> bool:
     )
 
 
-def _pickle_key(mediator: Any) -> tuple[tuple | None, tuple]:
+def _pickle_key(mediator: Any) -> tuple[tuple | None, dict]:
     """What identifies a block's pickle (its source, flags and captured objects;
     None when a captured value's pickle may be more than its value), and the
-    reduced block it was read from."""
+    state it was read from (the one its pickle is made of)."""
     state = mediator.__getstate__()
-    source, glbls, lcls = reduced = state["reduced"]
+    source, glbls, lcls = state["reduced"]
     scopes = (glbls or {}, lcls or {})
     if not all(_pure(value) for scope in scopes for value in scope.values()):
-        return None, reduced
+        return None, state
     captured = tuple(tuple((name, id(value)) for name, value in scope.items()) for scope in scopes)
-    return (source, state["copy"], frozenset(state["presaved"]), captured), reduced
+    return (source, state["copy"], frozenset(state["presaved"]), captured), state
 
 
 def _dumps_memo(original: Any) -> Any:
@@ -312,28 +315,51 @@ def _dumps_memo(original: Any) -> Any:
         pickles = _PICKLES.get()
         if pickles is None or args or kwargs or type(obj) is not Mediator:
             return original(obj, *args, **kwargs)
-        key, reduced = _pickle_key(obj)
+        key, state = _pickle_key(obj)
         if key is None:
-            return original(obj)
+            return original(obj, state=state)
         kept = pickles.get(key)
         if kept is None:
-            # The reduced block (its captured objects) is held with its bytes, so
-            # no id in the key is reused while the memo lives.
-            kept = pickles[key] = (original(obj), reduced)
+            # The state (its captured objects) is held with its bytes, so no id
+            # in the key is reused while the memo lives.
+            kept = pickles[key] = (original(obj, state=state), state)
         return kept[0]
 
     return dumps
 
 
+#: Kinds that are never a reference nor tagged with one (no ``__dict__``, no envoy).
+_NO_ID = (str, int, float, bool, type(None), bytes, tuple, list, dict, set, frozenset)
+
+
 class _CanonicalPickler(serialization.CustomCloudPickler):
     """nnsight's pickler, with each storage's bytes named by value (module docstring),
-    and the model's envoys as references where ``envoys_as_references`` says so."""
+    and the model's envoys as references where ``envoys_as_references`` says so.
+
+    Given a block and its state (``Mediator.__getstate__``, already read for the
+    memo's key), it pickles that state rather than reading it again. A tensor that
+    owns its storage goes as its bytes (``wire/canonical.py``): what torch's own
+    pickle gives too, a storage of its own (torch keeps no sharing between two
+    pickled tensors), without the save and the renaming.
+    """
+
+    def __init__(self, file: Any, protocol: int, block: Any = None, state: dict | None = None) -> None:
+        super().__init__(file, protocol=protocol)
+        self._block, self._state = block, state
 
     def persistent_id(self, obj: Any) -> Any:
+        if type(obj) in _NO_ID:
+            return None
         found = super().persistent_id(obj)
         return found if found is not None else reference_of(obj)
 
     def reducer_override(self, obj: Any) -> Any:
+        if obj is self._block:  # what ``object.__reduce_ex__`` gives, with the state read once
+            return copyreg.__newobj__, (type(obj),), self._state
+        if type(obj) is torch.Tensor:
+            args = tensor_args(obj)
+            if args is not None:
+                return rebuild_tensor, args
         if isinstance(obj, torch.storage.TypedStorage | torch.UntypedStorage):
             rebuild, args = obj.__reduce__()
             if rebuild is torch.storage._load_from_bytes and len(args) == 1:
@@ -342,10 +368,16 @@ class _CanonicalPickler(serialization.CustomCloudPickler):
         return super().reducer_override(obj)
 
 
-def canonical_dumps(obj: Any, protocol: int = serialization.DEFAULT_PROTOCOL) -> bytes:
-    """``serialization.dumps`` with :class:`_CanonicalPickler`."""
+def canonical_dumps(
+    obj: Any, protocol: int = serialization.DEFAULT_PROTOCOL, state: dict | None = None
+) -> bytes:
+    """``serialization.dumps`` with :class:`_CanonicalPickler`; a block's ``state``
+    where its caller has read it already."""
     buffer = io.BytesIO()
-    _CanonicalPickler(buffer, protocol=protocol).dump(obj)
+    if type(obj) is Mediator:
+        _CanonicalPickler(buffer, protocol, obj, obj.__getstate__() if state is None else state).dump(obj)
+    else:
+        _CanonicalPickler(buffer, protocol).dump(obj)
     return buffer.getvalue()
 
 
