@@ -40,8 +40,12 @@ def test_not_a_string_is_refused():
 def test_format_version_mismatch_names_both_versions():
     document = {"v": ENVELOPE_VERSION + 1, "nnsight": "0.8.1", "plugin": "9.9", "payload": "eA=="}
     value = "nns2:" + base64.b64encode(json.dumps(document).encode()).decode()
-    with pytest.raises(EnvelopeError, match=r"format version 3 .*plugin '9.9'.*version 2"):
+    with pytest.raises(EnvelopeError, match=r"format version 4 .*plugin '9.9'.*versions 2 and 3"):
         open_envelope(value, **VERSIONS)
+    document["v"] = 2  # an earlier client's: its payload is torch's pickles alone, read as before
+    value = "nns2:" + base64.b64encode(json.dumps(document).encode()).decode()
+    assert open_envelope(value, **VERSIONS).block_bytes() == b"x"
+    document["v"] = ENVELOPE_VERSION + 1
     older = "nns1:" + base64.b64encode(json.dumps(document).encode()).decode()
     with pytest.raises(
         EnvelopeError, match=r"format 'nns1'; this engine reads 'nns2'.*same vllm-nnsight-plugin"

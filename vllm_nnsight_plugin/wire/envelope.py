@@ -43,8 +43,12 @@ from ..settings import MAX_PAYLOAD_BYTES, MAX_SAVE_BYTES, value
 
 #: The ``extra_args`` key (and ``vllm_xargs`` key) a block rides under.
 EXTRA_ARGS_KEY = "nnsight"
-#: Format version this code writes and reads.
-ENVELOPE_VERSION = 2
+#: Format version this code writes. Version 3 payloads may rebuild captured tensors
+#: with ``wire/canonical.rebuild_tensor``, which an engine reading only version 2
+#: lacks: it refuses them with this module's message instead of failing to load.
+ENVELOPE_VERSION = 3
+#: Format versions this code reads (a version 2 payload is torch's pickles alone).
+READ_VERSIONS = (2, 3)
 _PREFIX = "nns2:"
 _SIGNATURE_CHARS = 64
 
@@ -250,10 +254,11 @@ def open_envelope(
         raise EnvelopeError(f"the envelope is corrupt: {type(error).__name__}") from None
     except RecursionError:
         raise EnvelopeError("the envelope is corrupt: it nests too deeply") from None
-    if isinstance(document, dict) and document.get("v") != ENVELOPE_VERSION:
+    if isinstance(document, dict) and document.get("v") not in READ_VERSIONS:
         raise EnvelopeError(
             f"the envelope is format version {_short(document.get('v'))} (client plugin "
-            f"{_short(document.get('plugin'))}); this engine reads version {ENVELOPE_VERSION} "
+            f"{_short(document.get('plugin'))}); this engine reads versions "
+            f"{' and '.join(map(str, READ_VERSIONS))} "
             f"(plugin {plugin_version}). Install the same vllm-nnsight-plugin version "
             "on the client and the server."
         )
