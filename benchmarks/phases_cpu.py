@@ -21,7 +21,9 @@ last row (``gpu_bench.sweep``); ``plain_sweep`` the same prompts plain;
 loop, ``plain_steer`` the same plain; ``trace1`` twenty one-token traces saving
 the logits one after another, ``plain1`` twenty plain one-token calls;
 ``patch`` 64 invokes x ``--tokens``, each patching one prompt position of layer
-18 from a clean prompt's rows (``gpu_bench.patch``). The
+18 from a clean prompt's rows (``gpu_bench.patch``); ``probe`` 64 x ``--tokens``
+keeping every layer's last row every step (``gpu_bench.probe_rows``; with
+``--every-layer``, which taps them all, it is lowered). The
 worker's per-step phases (the tables' fill, the forward's start, the sampler's
 two calls) are timed too, so a per-step cost shows apart from a per-request one.
 """
@@ -97,6 +99,8 @@ def instrument() -> None:
     wrap(runtime, "pool_part", "collect: pool")
     wrap(front, "attach_collected", "attach (front end)")
     wrap(pool.Resolver, "__init__", "attach: own copies")
+    collect = client.VLLM._collect  # a static method: wrapped as one
+    client.VLLM._collect = staticmethod(_timer(collect, "saves home (client)"))
 
 
 def main() -> None:
@@ -104,6 +108,7 @@ def main() -> None:
     parser.add_argument("--jobs", default="sweep,plain_sweep,steer,steer_docs")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=4, help="tokens a steering job draws")
+    parser.add_argument("--every-layer", action="store_true", help="tap every decoder layer, not layer 18")
     args = parser.parse_args()
 
     import torch
@@ -117,7 +122,7 @@ def main() -> None:
     import gpu_bench as blocks
     from profile_cpu import engine, fresh_ids
 
-    llm = engine(36, ["model.layers.18.output"])
+    llm = engine(36, ["layers"] if args.every_layer else ["model.layers.18.output"])
     model = VLLM(llm)
     blocks.LAYER = 18
     blocks.PROMPT_LEN = len(fresh_ids(1, 0)[0])  # the positions patching picks from
@@ -153,6 +158,7 @@ def main() -> None:
         "trace1": lambda: [blocks.trace1(model, ids(1)[0]) for _ in range(20)],
         "steer": lambda: blocks.steer(model, ids(64), args.tokens, vector),
         "patch": patch,
+        "probe": lambda: blocks.probe_rows(model, ids(64), args.tokens, 36),
         "steer_docs": lambda: blocks.steer_as_the_docs_write_it(model, ids(64), args.tokens, vector),
     }
     for name in args.jobs.split(","):
