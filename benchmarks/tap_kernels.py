@@ -6,7 +6,9 @@ With every decoder layer tapped, the tap as two operations of tensor code
 vLLM, those two operations for 36 taps captured in one CUDA graph against the
 tap operation's Triton kernel (one a tap: it steers and keeps in one pass, and
 a row nobody touches costs one copy), idle and with busy tables, and checks
-that the kernel computes what the two operations compute, bit for bit.
+that the kernel computes what the two operations compute, bit for bit; and the
+kernel writing over each tap's value (``tap_pair_in_place``, what a graph not
+split at the taps runs), against the kernel writing a new tensor.
 
     python benchmarks/tap_kernels.py        # a CUDA device with Triton
 
@@ -73,6 +75,14 @@ def kernel(ops, hidden, residual, table, bank, store):
     return hidden
 
 
+def kernel_in_place(ops, hidden, residual, table, bank, store):
+    """The kernel writing over each tap's value (what a graph not split at the taps
+    runs): a row nobody steers or keeps is not copied."""
+    for site in range(SITES):
+        ops.tap_pair_in_place.default(hidden, residual, table, bank, how(), store, site)
+    return hidden
+
+
 def timed(fn, replays: int = 200) -> float:
     """Microseconds per replay of ``fn`` captured in a CUDA graph."""
     stream = torch.cuda.Stream()
@@ -102,9 +112,12 @@ def measure(ops, rows: int) -> dict:
     want_store = store.clone()
     want = tensor_ops(ops, hidden.clone(), residual, table, bank, want_store)
     got = kernel(ops, hidden.clone(), residual, table, bank, store)
+    in_place_store = torch.zeros_like(store)
+    in_place = kernel_in_place(ops, hidden.clone(), residual, table, bank, in_place_store)
     # row 0 of the store: where the tensor operations drop the rows nobody keeps
     same = torch.equal(want, got) and torch.equal(want_store[1:], store[1:])
-    found = dict(rows=rows, taps=SITES, same=same)
+    same_in_place = torch.equal(in_place, got) and torch.equal(in_place_store, store)
+    found = dict(rows=rows, taps=SITES, same=same, same_in_place=same_in_place)
     for load in ("idle", "busy"):
         table, bank, store = tables(rows, busy=load == "busy")
         found[f"{load}_tensor_ops_us"] = round(
@@ -112,6 +125,9 @@ def measure(ops, rows: int) -> dict:
         )
         found[f"{load}_kernel_us"] = round(
             timed(partial(kernel, ops, hidden, residual, table, bank, store)), 1
+        )
+        found[f"{load}_kernel_in_place_us"] = round(
+            timed(partial(kernel_in_place, ops, hidden.clone(), residual, table, bank, store)), 1
         )
     return found
 

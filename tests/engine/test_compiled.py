@@ -53,6 +53,12 @@ def steered_reads(model, vector, steps=4):
 #: the log), so every compiled engine compiled again; this form lets the second
 #: engine of this module load what the first compiled (same model, settings, taps).
 COMPILE_CACHE = {"VLLM_USE_AOT_COMPILE": "0"}
+#: Each tap as the one operation a CUDA engine runs, writing over its value (what a
+#: graph that is not split at the taps calls there, ``ops.tap_in_place``), so this
+#: CPU compiles that form too: torch.compile's functionalization must keep its
+#: writes where the rest of the forward reads them. (The session's eager engine
+#: runs the tensor operations.)
+ONE_OPERATION = {"VLLM_NNSIGHT_TAP_KERNEL": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +66,7 @@ def compiled(smollm2_path):
     # Tapped as the session engine is: the tests below that run as Python check that a
     # tap passes every row it is not asked to steer through unchanged.
     taps = {"nnsight_taps": SESSION_TAPS}
-    with environment(COMPILE_CACHE):
+    with environment({**COMPILE_CACHE, **ONE_OPERATION}):
         llm = start_llm(smollm2_path, enforce_eager=False, additional_config=taps)
     yield llm
     stop_llm(llm)
@@ -148,6 +154,7 @@ def test_a_lowered_block_keeps_every_step_compiled(compiled):
     assert list(plain[0].outputs[0].token_ids) != list(lowered[0].outputs[0].token_ids)  # it steered
     (stats,) = compiled.collective_rpc("nnsight_stats")
     assert stats["tracked"] == 0 and stats["lowered_now"] == 0
+    assert stats["tap_operation"] == "one" and stats["split_at_taps"] is False  # ``ops.tap_in_place``
 
 
 def test_a_lowered_capture_keeps_every_step_compiled(compiled):
@@ -395,7 +402,7 @@ def test_the_client_says_which_locations_are_not_taps_before_it_sends(compiled):
 def compiled_no_fallback(smollm2_path, compiled):
     stop_llm(compiled)  # one engine at a time on two cores
     # The setting is read by the workers the engine spawns; the graphs are the first engine's.
-    with environment({**COMPILE_CACHE, "VLLM_NNSIGHT_EAGER_STEPS": "0"}):
+    with environment({**COMPILE_CACHE, **ONE_OPERATION, "VLLM_NNSIGHT_EAGER_STEPS": "0"}):
         llm = start_llm(smollm2_path, enforce_eager=False, additional_config={"nnsight_taps": SESSION_TAPS})
     yield llm
     stop_llm(llm)

@@ -610,34 +610,41 @@ def test_a_steer_of_the_last_rows_points_those_rows_of_each_step_at_its_vector()
 def test_one_operation_a_tap_computes_what_steer_and_keep_do():
     """``ops.tap`` (chosen with ``VLLM_NNSIGHT_TAP_KERNEL=1``; one kernel on CUDA,
     ``tests/gpu/test_gpu_kernel.py``) on the tables' own layout: every keep code,
-    on a tuple, a tensor and a one-value tuple."""
+    on a tuple, a tensor and a one-value tuple; over the value itself where the
+    graph is not split at the taps, into a new tensor where it is."""
     from vllm_nnsight_plugin.taps.install import _apply
 
     generator = torch.Generator().manual_seed(0)
     found = []
-    for one_op in (False, True):
+    for one_op, split in ((False, False), (True, False), (True, True)):
         tables = TapTables(
             ("a", "b"), max_tokens=8, hidden=3, entries=4, device="cpu", store_size=64, one_op=one_op
         )
+        tables.split = split
         tables.bank.copy_(torch.randn(4, 3, generator=torch.Generator().manual_seed(1)))
         tables.slots[0, :5] = torch.tensor([0, -1, 2, -1, 3], dtype=torch.int32)
         tables.codes[0, :5] = torch.tensor([1, 2, 3, 4, 0], dtype=torch.int32)
         tables.dest[0, :5] = torch.tensor([2, 4, 6, 8, 0], dtype=torch.int32)
         generator.manual_seed(2)
         hidden, residual = torch.randn(5, 3, generator=generator), torch.randn(5, 3, generator=generator)
-        pair = _apply(tables, 0, (hidden, residual))
+        given = (hidden.clone(), residual.clone())
+        pair = _apply(tables, 0, given)
+        assert (pair[0] is given[0]) == (one_op and not split) and pair[1] is given[1]
         kept_pair = tables.store.clone()
-        tensor = _apply(tables, 0, hidden)
+        value = hidden.clone()
+        tensor = _apply(tables, 0, value)
+        assert (tensor is value) == (one_op and not split)
         kept_tensor = tables.store.clone()
-        found.append((pair, kept_pair, tensor, kept_tensor, _apply(tables, 0, (hidden,))))
-    (pair, kept_pair, tensor, kept_tensor, single), (pair1, kept_pair1, tensor1, kept_tensor1, single1) = (
-        found
-    )
-    assert torch.equal(pair[0], pair1[0]) and torch.equal(pair[1], pair1[1])
-    assert torch.equal(tensor, tensor1) and torch.equal(single[0], single1[0])
-    # row 0 of the store: where rows nobody keeps go
-    assert torch.equal(kept_pair[1:], kept_pair1[1:]) and torch.equal(kept_tensor[1:], kept_tensor1[1:])
+        found.append((pair, kept_pair, tensor, kept_tensor, _apply(tables, 0, (hidden.clone(),))))
+    for pair1, kept_pair1, tensor1, kept_tensor1, single1 in found[1:]:
+        pair, kept_pair, tensor, kept_tensor, single = found[0]
+        assert torch.equal(pair[0], pair1[0]) and torch.equal(pair[1], pair1[1])
+        assert torch.equal(tensor, tensor1) and torch.equal(single[0], single1[0])
+        # row 0 of the store: where rows nobody keeps go
+        assert torch.equal(kept_pair[1:], kept_pair1[1:]) and torch.equal(kept_tensor[1:], kept_tensor1[1:])
+    pair, kept_pair, tensor, kept_tensor, _ = found[0]
     assert not torch.equal(kept_pair, kept_tensor) and kept_pair[2:10].abs().sum() > 0
+    assert not torch.equal(tensor, hidden) and torch.equal(tensor[1], hidden[1])  # row 1: nobody's
 
 
 def test_a_tap_run_from_python_copies_its_value_at_a_site_no_entry_of_the_step_touches(monkeypatch):

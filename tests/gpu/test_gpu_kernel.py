@@ -95,6 +95,38 @@ def check_against_the_tensor_operations(hidden, residual, table, bank, how, site
     assert not torch.equal(got, hidden)  # some rows were edited
 
 
+def check_in_place(hidden, residual, table, bank, how, site) -> None:
+    """The kernel writing over its value (``in_place``, what a graph not split at the
+    taps runs) against the kernel writing a new tensor: the same bits in the value,
+    the store and a pair's residual, for every ``keeps``; untouched rows stay put."""
+    kernel = ops._kernel()
+    for keeps in (1, 0, 2):
+        stores = [torch.zeros((2 * table.shape[2] * hidden.shape[0] + 4, hidden.shape[1]), dtype=hidden.dtype,
+                              device=hidden.device) for _ in range(2)]  # fmt: skip
+        residuals = [residual.clone(), residual.clone()]
+        want = ops.launch(kernel, hidden, residuals[0], table, bank, how, stores[0], site, keeps, keeps == 1)
+        value = hidden.clone()
+        got = ops.launch(
+            kernel, value, residuals[1], table, bank, how, stores[1], site, keeps, keeps == 1, in_place=True
+        )
+        assert got is value and torch.equal(got, want), keeps
+        assert torch.equal(stores[0], stores[1]) and torch.equal(residuals[0], residuals[1]), keeps
+        # and as the operations a graph calls (the kernel on CUDA, tensor operations elsewhere)
+        for store in stores:
+            store.zero_()
+        residuals = [residual.clone(), residual.clone()]
+        value = hidden.clone()
+        if keeps == 1:
+            want = ops.tapped_pair(hidden, residuals[0], table, bank, how, stores[0], site)
+            ops.tap_pair_in_place.default(value, residuals[1], table, bank, how, stores[1], site)
+        else:  # (a tensor's tap: its second value is the value itself)
+            want = ops.tapped(hidden, hidden, table, bank, how, stores[0], site, keeps)
+            assert ops.tapped_in_place(value, table, bank, how, stores[1], site, keeps) is value
+        assert torch.equal(value, want), keeps
+        assert torch.equal(stores[0], stores[1]) and torch.equal(residuals[0], residuals[1]), keeps
+    assert not torch.equal(want, hidden)  # some rows were edited
+
+
 def check_a_value_of_another_width(width, dtype, device, launch) -> None:
     """A tap whose value is ``width`` wide beside a bank and store 576 wide (an MLP's
     neurons): the kernel (``launch(hidden, keeps, store)``) against the tensor
@@ -162,6 +194,7 @@ def test_the_tap_kernel_computes_what_the_tensor_operations_do(dtype, width):
                 return ops.tapped(hidden, residual, table, bank, edits, store, site, keeps)
 
             check_against_the_tensor_operations(hidden, residual, table, bank, edits, site, dtype, launch)
+            check_in_place(hidden, residual, table, bank, edits, site)
     # the tables do project some rows and patch some (at one site or another)
     assert any(bool(projected_rows(table, how, site, rows).any()) for site in range(sites))
     assert any(bool(patched_rows(table, how, site, rows).any()) for site in range(sites))

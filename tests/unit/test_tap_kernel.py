@@ -20,7 +20,8 @@ import sys
 import torch
 from vllm_nnsight_plugin.taps import ops
 from tests.gpu.test_gpu_kernel import (
-    busy_tables, check_a_value_of_another_width, check_against_the_tensor_operations, patched_rows, projected_rows,
+    busy_tables, check_a_value_of_another_width, check_against_the_tensor_operations, check_in_place, patched_rows,
+    projected_rows,
 )
 
 assert ops._kernel() is not None
@@ -40,6 +41,7 @@ for width in (576, 100):
                 )
 
             check_against_the_tensor_operations(hidden, residual, table, bank, edits, site, dtype, launch)
+            check_in_place(hidden, residual, table, bank, edits, site)
     assert bool(projected_rows(table, how, 0, rows).any()) and bool(patched_rows(table, how, 0, rows).any())
 for width in (1536, 100):  # another width than the bank's: an MLP's neurons, a narrower value
     def launch(hidden, table, bank, how, site, keeps, store):

@@ -811,7 +811,16 @@ def _apply(tables: TapTables, site: int, out: Any) -> Any:
     paired = isinstance(out, tuple) and len(out) >= 2 and isinstance(out[1], torch.Tensor)
     # (value, None): a linear layer's output without its bias, kept as one tensor
     first = isinstance(out, tuple) and len(out) == 2 and out[1] is None
-    if tables.one_op:
+    if tables.one_op and not tables.split:  # the value edited in place: an idle row costs nothing
+        table, bank, how, store = tables.table, tables.bank, tables.how, tables.store
+        if paired:
+            ops.tap_pair_in_place.default(out[0], out[1], table, bank, how, store, site)
+            return out
+        if isinstance(out, tuple):
+            keeps = ops.FIRST if first else 0
+            return (ops.tapped_in_place(out[0], table, bank, how, store, site, keeps), *out[1:])
+        return ops.tapped_in_place(out, table, bank, how, store, site, ops.ONE)
+    if tables.one_op:  # a graph split at the taps: each piece's output is its own buffer
         tap, table, bank, how, store = ops.tapped, tables.table, tables.bank, tables.how, tables.store
         if paired:  # the residual is patched in place (``out[1]`` is the same tensor after)
             return (ops.tapped_pair(out[0], out[1], table, bank, how, store, site), *out[1:])

@@ -491,6 +491,63 @@ def tap_pair(
     _tapped(hidden, second, out, table, bank, how, store, site, 1, pair=True)
 
 
+@_operation(mutates=("hidden", "store"))
+def tap_in_place(
+    hidden: torch.Tensor,
+    table: torch.Tensor,
+    bank: torch.Tensor,
+    how: torch.Tensor,
+    store: torch.Tensor,
+    site: int,
+    keeps: int,
+) -> None:
+    """``tap`` writing the new value over ``hidden`` itself (its second value is
+    ``hidden`` as it came): a row nobody steers or keeps costs nothing, where
+    ``tap`` copies it. What a graph that is not split at the taps runs
+    (:func:`tapped_in_place`)."""
+    _tapped(hidden, hidden, hidden, table, bank, how, store, site, keeps, pair=False)
+
+
+@_operation(mutates=("hidden", "second", "store"))
+def tap_pair_in_place(
+    hidden: torch.Tensor,
+    second: torch.Tensor,
+    table: torch.Tensor,
+    bank: torch.Tensor,
+    how: torch.Tensor,
+    store: torch.Tensor,
+    site: int,
+) -> None:
+    """``tap_pair`` writing the new value over ``hidden`` itself."""
+    _tapped(hidden, second, hidden, table, bank, how, store, site, 1, pair=True)
+
+
+@_fake("tap_in_place")
+def _(
+    hidden: torch.Tensor,
+    table: torch.Tensor,
+    bank: torch.Tensor,
+    how: torch.Tensor,
+    store: torch.Tensor,
+    site: int,
+    keeps: int,
+) -> None:
+    return None
+
+
+@_fake("tap_pair_in_place")
+def _(
+    hidden: torch.Tensor,
+    second: torch.Tensor,
+    table: torch.Tensor,
+    bank: torch.Tensor,
+    how: torch.Tensor,
+    store: torch.Tensor,
+    site: int,
+) -> None:
+    return None
+
+
 #: The operations a compiled engine's graph may be split at, so that on a step whose
 #: blocks run at the taps each runs outside the CUDA graphs of the pieces between
 #: them (``seams.split_graph_at``). They write into a buffer the piece before
@@ -514,6 +571,20 @@ def tapped(
     out = torch.empty_like(hidden)
     _TAP(hidden, second, out, table, bank, how, store, site, keeps)
     return out
+
+
+def tapped_in_place(
+    hidden: torch.Tensor,
+    table: torch.Tensor,
+    bank: torch.Tensor,
+    how: torch.Tensor,
+    store: torch.Tensor,
+    site: int,
+    keeps: int,
+) -> torch.Tensor:
+    """``hidden``, edited where the tables say (``tap_in_place``)."""
+    tap_in_place.default(hidden, table, bank, how, store, site, keeps)
+    return hidden
 
 
 def tapped_pair(
@@ -548,9 +619,11 @@ def _tapped(
     slots_at, codes_at = table.data_ptr(), table.data_ptr() + table.stride(1) * table.element_size()
     _PASSED[codes_at, site] = keeps  # 0: a tuple without a second tensor
     keeps = ONE if keeps == FIRST else keeps  # the first of (value, None) is kept as one tensor
+    in_place = out is hidden
     if _still(slots_at, site, hidden):  # (run from Python: one copy, no kernel)
         _SEEN[slots_at, site] = (tuple(hidden.shape), hidden.dtype)
-        out.copy_(hidden)
+        if not in_place:
+            out.copy_(hidden)
         _at_the_tap(site, out, second if pair else None)
         return
     kernel = _kernel() if hidden.is_cuda else None
@@ -572,7 +645,7 @@ def _tapped(
             keep(out, out if keeps == 2 else second, codes, dest, store, site)
     else:
         _SEEN[slots_at, site] = (tuple(hidden.shape), hidden.dtype)
-        launch(kernel, hidden, second, table, bank, how, store, site, keeps, pair, out=out)
+        launch(kernel, hidden, second, table, bank, how, store, site, keeps, pair, out=out, in_place=in_place)
     _at_the_tap(site, out, second if pair else None)
 
 
@@ -588,17 +661,20 @@ def launch(
     keeps: int,
     pair: bool = False,
     out: torch.Tensor | None = None,
+    in_place: bool = False,
 ) -> torch.Tensor:
-    """One program a row of ``hidden``; the new value, into ``out`` where given
-    (``store``, and for a pair the residual's patched rows, are written in place)."""
-    out = torch.empty_like(hidden) if out is None else out
+    """One program a row of ``hidden``; the new value, into ``out`` where given, or
+    over ``hidden`` itself (``in_place``: a row nobody steers or keeps is not
+    written); ``store``, and for a pair the residual's patched rows, are written
+    in place."""
+    out = hidden if in_place else torch.empty_like(hidden) if out is None else out
     rows, width = hidden.shape
     if rows:
         block = min(1024, 1 << (width - 1).bit_length())
         bank_width, store_width = bank.shape[-1], store.shape[-1]
         kernel[(rows,)](
             hidden, second, out, table, bank, how, store, site, table.shape[2],
-            width, bank_width, store_width, chunks(width, store_width), block, keeps, pair,
+            width, bank_width, store_width, chunks(width, store_width), block, keeps, pair, int(in_place),
         )  # fmt: skip
     return out
 
@@ -643,7 +719,7 @@ if triton is not None:
     def _tap_rows(
         hidden, second, out, table, bank, how, store, site, sites,
         H: tl.constexpr, BH: tl.constexpr, SH: tl.constexpr, K: tl.constexpr,
-        BLOCK: tl.constexpr, KEEPS: tl.constexpr, PAIR: tl.constexpr,
+        BLOCK: tl.constexpr, KEEPS: tl.constexpr, PAIR: tl.constexpr, IN_PLACE: tl.constexpr,
     ):  # fmt: skip
         # H: the value's width; BH: the bank's; SH: the store's, whose K rows hold a kept row
         row = tl.program_id(0).to(tl.int64)
@@ -675,7 +751,9 @@ if triton is not None:
             high = tl.load(how + entry * 4 + 2).to(dtype).to(tl.float32)
             held = tl.minimum(tl.maximum(c, low), high)
             delta = (c - held).to(dtype).to(tl.float32)
-        for start in range(0, H, BLOCK):
+        # in place, a row nobody steers or keeps is left as it is: no pass over it
+        span = tl.where((mode >= 0) | (code != 0) | (IN_PLACE == 0), H, 0)
+        for start in range(0, span, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             mask = offs < H
             h = tl.load(hidden + row * H + offs, mask=mask)

@@ -33,7 +33,7 @@ CONFIG_KEY = "nnsight_taps"
 VERSION_KEY = "nnsight_taps_plugin"
 #: The release of the tap operations (``ops.py``): a graph that calls an earlier
 #: release's operations is never reused.
-OPERATIONS = 4
+OPERATIONS = 5
 #: Where a worker keeps its runner's tap tables (on the runner).
 RUNNER_ATTR = "_vllm_nnsight_taps"
 
