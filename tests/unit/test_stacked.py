@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import pickle
 
+import pytest
 import torch
 from nnsight.modeling.vllm.collect import dumps_compact
 
@@ -398,3 +399,32 @@ def test_replies_of_tensors_alone_share_one_part_and_come_back_as_packed_one_by_
     over = Limits(max_save_bytes=100)
     failed = travel_all({"r0": kept(0), "r1": {"saves": {}, "error": None, "sequences": {}}}, over)
     assert "over this engine's limit" in str(failed["r0"]["error"]) and failed["r1"]["error"] is None
+
+
+def test_the_collector_is_paused_while_a_list_is_made_and_left_as_it_was():
+    """``uncollected`` (around ``unstack`` and a collect's whole merge) pauses Python's
+    cyclic collector and puts it back as it found it, also when the body raises."""
+    import gc
+
+    from vllm_nnsight_plugin.returns.stacked import uncollected
+
+    assert gc.isenabled()
+    with uncollected():
+        assert not gc.isenabled()
+        with uncollected():  # nested: the outer one resumes it
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(ValueError), uncollected():
+        raise ValueError("inside")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with uncollected():
+            pass
+        assert not gc.isenabled()  # a caller's own pause is kept
+    finally:
+        gc.enable()
+    rows = torch.arange(12.0).view(4, 3)
+    assert [r.tolist() for r in Stacked(rows, None).unstack()] == rows.tolist()
+    assert [r.shape[0] for r in Stacked(rows, (1, 3)).unstack()] == [1, 3]

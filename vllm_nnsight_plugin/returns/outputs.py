@@ -39,6 +39,7 @@ from ..wire import rpc
 from ..wire.reply import Merged, merged
 from .metrics import StepCounts, count, observe
 from .pool import Pool, Resolver
+from .stacked import uncollected
 
 #: Where a client says that no block of a request reads ``tracer.result``
 #: (``extra_args``; ``vllm_xargs`` for a server). The front end then keeps that
@@ -96,16 +97,17 @@ def merge_replies(replies: list) -> dict[str, Merged]:
     Under tensor parallelism every rank ran the block and holds the same gathered
     values; the first rank's copy is kept.
     """
-    loaded = [pickle.loads(part) for reply in replies or () if reply is not None for part in reply]
-    for counts in [part for part in loaded if isinstance(part, StepCounts)]:
-        observe(counts)
-    loaded = [part for part in loaded if not isinstance(part, StepCounts)]
-    pools = {part.id: part for part in loaded if isinstance(part, Pool)}
-    try:
-        return _merge(loaded, pools)
-    finally:
-        for pool in pools.values():
-            pool.close()  # shared memory nobody read (another rank's copy)
+    with uncollected():  # (a probe's replies make hundreds of thousands of tensors)
+        loaded = [pickle.loads(part) for reply in replies or () if reply is not None for part in reply]
+        for counts in [part for part in loaded if isinstance(part, StepCounts)]:
+            observe(counts)
+        loaded = [part for part in loaded if not isinstance(part, StepCounts)]
+        pools = {part.id: part for part in loaded if isinstance(part, Pool)}
+        try:
+            return _merge(loaded, pools)
+        finally:
+            for pool in pools.values():
+                pool.close()  # shared memory nobody read (another rank's copy)
 
 
 def _merge(loaded: list, pools: dict) -> dict[str, Merged]:

@@ -26,7 +26,10 @@ Nothing here imports nnsight: the front end of a server runs this too.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import pickle
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,9 +46,33 @@ class Stacked:
     lengths: tuple[int, ...] | None
 
     def unstack(self) -> list:
-        if self.lengths is None:
-            return list(self.data.unbind(0))
-        return list(self.data.split(list(self.lengths), dim=0))
+        with uncollected():
+            if self.lengths is None:
+                return list(self.data.unbind(0))
+            return list(self.data.split(list(self.lengths), dim=0))
+
+
+@contextlib.contextmanager
+def uncollected() -> Iterator[None]:
+    """Python's cyclic garbage collector paused while a list's elements are made.
+
+    Every tensor is an object the collector tracks, and each few hundred new ones
+    start a collection, some of which walk every object of the process. A probe's
+    list of 295,000 rows made in a front end holding a million objects took three
+    times as long with the collector running (0.6-0.9 s against 0.2-0.3 s on this
+    project's CPU machine). Nothing of the list can be garbage while it is made;
+    the collector resumes, and counts the new objects, as it ends. The front end
+    pauses it over a whole collect's replies (``outputs.merge_replies``), so it
+    does not resume between one request's list and the next.
+    """
+    paused = gc.isenabled()
+    if paused:
+        gc.disable()
+    try:
+        yield
+    finally:
+        if paused:
+            gc.enable()
 
 
 def stackable(value: Any) -> bool:
