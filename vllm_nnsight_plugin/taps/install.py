@@ -56,10 +56,11 @@ _LAST_ROWS, _ROW = 3, 4
 class _Repeat:
     """What a fill wrote the table from, where the next step's table would be the
     same if nothing here changed: a decode step (one row a request, not anyone's
-    first) whose entries steer, or keep each step's rows over the last step's
-    (``_ring``), so none writes a place that moves with the step."""
+    first). Entries that steer, or keep each step's rows over the last step's
+    (``_ring``), write the same table again; an entry that keeps its row at a
+    place that moves with the step (``moves``) writes only that place anew."""
 
-    __slots__ = ("changes", "req_ids", "bounds", "entries", "live", "kept")
+    __slots__ = ("changes", "req_ids", "bounds", "entries", "live", "kept", "moves")
 
     def __init__(
         self,
@@ -69,12 +70,38 @@ class _Repeat:
         entries: np.ndarray,
         live: np.ndarray,
         kept: int,
+        moves: _Moves | None,
     ) -> None:
         self.changes = changes  # ``TapTables._changes`` when it was written
         self.req_ids, self.bounds = req_ids, bounds.copy()
         self.entries = entries  # every entry the step counted (a request's extra sites too)
         self.live = live  # which of them were inside their window
         self.kept = kept  # rows it added to ``kept_rows``
+        self.moves = moves
+
+
+class _Moves:
+    """The keeps of a repeatable step whose place moves with the step: each kept
+    row's cell in the table (``rows``, ``sites``), its entry, whether the step's
+    pick chose it, and the entries whose count of kept rows advances (not a ring)."""
+
+    __slots__ = ("rows", "sites", "entries", "chosen", "advancing")
+
+    def __init__(
+        self,
+        rows: np.ndarray,
+        sites: np.ndarray,
+        entries: np.ndarray,
+        chosen: np.ndarray,
+        advancing: np.ndarray,
+    ) -> None:
+        self.rows, self.sites, self.entries, self.chosen, self.advancing = (
+            rows,
+            sites,
+            entries,
+            chosen,
+            advancing,
+        )
 
 
 def _row_of(index: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -457,6 +484,9 @@ class TapTables:
         bounds = np.asarray(bounds, dtype=np.int64)
         if self._repeats(req_ids, bounds):
             self.repeated += 1
+            moves = self._repeat.moves
+            if moves is not None:
+                self._move(moves)
             return
         staging = self._staging[self._turn]
         table = staging.numpy()
@@ -490,6 +520,23 @@ class TapTables:
         self._steps[entries] = steps + 1
         self.kept_rows += last.kept
         return True
+
+    def _move(self, moves: _Moves) -> None:
+        """A repeated step's table: the last one's, with each moving keep's place
+        advanced as ``_place`` advances it (a row a step), uploaded."""
+        kept = moves.entries
+        stride = self._stride[kept]
+        place = self._done[kept] * stride
+        fits = moves.chosen & (place + stride <= self._room[kept])
+        staging = self._staging[self._turn]
+        table = staging.numpy()
+        used = self._uploaded
+        table[:used] = self._staging[self._turn ^ 1].numpy()[:used]  # the last step's table
+        table[moves.rows, 2, moves.sites] = np.where(fits, self._base[kept] + place, 0)
+        self._dirty[self._turn] = max(self._dirty[self._turn], used)
+        self._table[:used].copy_(staging[:used], non_blocking=True)
+        self._turn ^= 1
+        self._done[moves.advancing] += 1
 
     def only_filled(self) -> None:
         """From now on only ``fill`` writes the table: the taps, where they run from
@@ -552,6 +599,7 @@ class TapTables:
             written = (kind == 1) | chosen
             table[slab[written], kind[written], site[written]] = self._value[each[written]]
         keeping = kind == 1
+        moves = None
         if keeping.any():
             kept = each[keeping]
             stride, pick, row = self._stride[kept], pick[keeping], within[keeping]
@@ -566,8 +614,21 @@ class TapTables:
             added = np.where(self._pick[entries] == 0, counts, 1)[mine]
             self._done[entries[mine]] += np.where(self._ring[entries[mine]], 0, added)
             self.kept_rows += int(added.sum())
+            moving = ~self._ring[kept]
+            if moving.any():  # (a repeat of this step moves these places on, ``_move``)
+                advancing = entries[mine][~self._ring[entries[mine]]]
+                moves = _Moves(
+                    slab[keeping][moving], site[keeping][moving], kept[moving], chosen[moving], advancing
+                )
         self._remember(
-            req_ids, bounds, counted, in_window, counts, steps, int(added.sum()) if keeping.any() else 0
+            req_ids,
+            bounds,
+            counted,
+            in_window,
+            counts,
+            steps,
+            int(added.sum()) if keeping.any() else 0,
+            moves,
         )
         return int((starts + counts).max())
 
@@ -580,14 +641,13 @@ class TapTables:
         counts: np.ndarray,
         steps: np.ndarray,
         kept: int,
+        moves: _Moves | None = None,
     ) -> None:
         """Keep what this fill wrote from where the next step may repeat it
-        (``_Repeat``): a decode step past everyone's first forward, whose keeping
-        entries all keep at a place that does not move."""
-        live = counted[in_window]
-        if (counts != 1).any() or (steps == 0).any() or (self._kind[live] & ~self._ring[live]).any():
+        (``_Repeat``): a decode step past everyone's first forward."""
+        if (counts != 1).any() or (steps == 0).any():
             return
-        self._repeat = _Repeat(self._changes, tuple(req_ids), bounds, counted, in_window, kept)
+        self._repeat = _Repeat(self._changes, tuple(req_ids), bounds, counted, in_window, kept, moves)
 
     def idle(self) -> bool:
         """Nothing lowered and nothing left in the device table: no fill, no upload."""

@@ -40,25 +40,32 @@ operation has one shape for every step and one store serves every tap. Code 4
 keeps both outputs, ``first`` at ``dest`` and ``second`` in the row after it
 (a ``tracer.cache`` of the tap: its whole output, every step).
 
-A tap runs both as one operation, ``torch.ops.vllm_nnsight.tap(hidden, second,
-out, table, bank, how, store, site, keeps)``, which writes the new value into
-``out`` (:func:`tapped` allocates it just before, so on a compiled engine whose
-graph is split at the taps the piece before the tap owns that buffer and the
-piece after reads it where it was captured; :data:`SPLITTING`). ``table`` is the
+A tap runs both as one operation. Where the compiled graph is whole at the taps
+(the default) that is ``torch.ops.vllm_nnsight.tap_in_place(hidden, table, bank,
+how, store, site, keeps)`` (``tap_pair_in_place`` for a (hidden, residual)
+pair), which edits ``hidden`` itself: the kernel does not touch a row nobody
+steers or keeps, and torch.compile keeps the edit in the value's own buffer.
+Where the graph is split at the taps it is ``torch.ops.vllm_nnsight.tap(hidden,
+second, out, table, bank, how, store, site, keeps)``, which writes the new value
+into ``out`` (:func:`tapped` allocates it just before, so the piece before the
+tap owns that buffer and the piece after reads it where it was captured;
+:data:`SPLITTING`), copying the rows it leaves alone. ``table`` is the
 ``[row, part, site]`` tensor the three tables are views of; ``keeps`` 0: steer only, 1: keep with
 ``second``, 2: keep with the steered value as the second, a tap whose value is
 one tensor, 3: the same for the first of a pair whose second is ``None``, a
 linear layer's ``(output, bias)``; ``keep``'s ``passed`` notes that one the
 same way). On CUDA it can be one Triton kernel a
-tap, one program a row, where a row nobody steers or keeps costs one copy: as
+tap, one program a row, where a row nobody steers or keeps costs a read of its
+table entry (in place) or one copy (into ``out``): as
 two ops of plain tensor operations a tap costs about 15 small kernels, which
 with every decoder layer tapped took 13-18% of an idle graphed step
 (``benchmarks/RESULTS.md``, 2026-12-04); the kernel does the same arithmetic
 (the float32 addition rounded once, the sum by the same rounding), and
 ``benchmarks/tap_kernels.py``, ``tests/gpu/test_gpu_kernel.py`` and, in Triton's
-interpreter on a CPU, ``tests/unit/test_tap_kernel.py`` check it bit for bit. With it
-every decoder layer tapped costs an idle engine under 1%, against 12-18% as
-tensor operations. Elsewhere, or where Triton is missing, it runs ``steer`` and
+interpreter on a CPU, ``tests/unit/test_tap_kernel.py`` check it bit for bit, in
+place and into ``out``. With it every decoder layer tapped costs an idle engine
+nothing measurable (0.995-1.010 of stock on an H100), against 12-18% as tensor
+operations. Elsewhere, or where Triton is missing, it runs ``steer`` and
 ``keep`` below. An engine built on CUDA with Triton runs its taps as this
 operation unless ``VLLM_NNSIGHT_TAP_KERNEL=0``; other engines call ``steer``
 and ``keep`` themselves unless it is ``1`` (``spec.kernel_chosen``: the choice
