@@ -607,16 +607,59 @@ def test_a_steer_of_the_last_rows_points_those_rows_of_each_step_at_its_vector()
     assert torch.equal(tables.slots, want)
 
 
+def test_a_module_that_returns_what_it_was_handed_is_edited_into_a_new_tensor():
+    """A tapped module's output is edited in place only where it is none of the
+    values the module was handed: a module returning its input gets a new tensor,
+    and its caller's value stays as it was."""
+    from vllm_nnsight_plugin.taps import install
+
+    class Same(torch.nn.Module):
+        def forward(self, x):
+            return x
+
+    class Fresh(torch.nn.Module):
+        def forward(self, x):
+            return x * 1.0
+
+    for module, in_place in ((Same(), False), (Fresh(), True)):
+        tables = TapTables(
+            ("a",), max_tokens=8, hidden=3, entries=4, device="cpu", store_size=64, one_op=True
+        )
+        tables.bank.copy_(torch.ones(4, 3))
+        tables.slots[0, :2] = 0  # both rows steered by bank row 0, an addition
+        install._tap(module, {None: 0}, tables)
+        given = torch.zeros(2, 3)
+        seen = []
+        original = install.ops.tapped_in_place
+        install.ops.tapped_in_place = lambda value, *rest, seen=seen, original=original: (
+            seen.append(value) or original(value, *rest)
+        )
+        try:
+            out = module(given)
+        finally:
+            install.ops.tapped_in_place = original
+        assert torch.equal(out, torch.ones(2, 3))  # steered either way
+        assert torch.equal(given, torch.zeros(2, 3))  # the caller's value untouched
+        assert bool(seen) == in_place
+
+
 def test_one_operation_a_tap_computes_what_steer_and_keep_do():
     """``ops.tap`` (chosen with ``VLLM_NNSIGHT_TAP_KERNEL=1``; one kernel on CUDA,
     ``tests/gpu/test_gpu_kernel.py``) on the tables' own layout: every keep code,
     on a tuple, a tensor and a one-value tuple; over the value itself where the
-    graph is not split at the taps, into a new tensor where it is."""
+    graph is not split at the taps and the value may be edited in place (a
+    module's output), into a new tensor where either is not so."""
     from vllm_nnsight_plugin.taps.install import _apply
 
     generator = torch.Generator().manual_seed(0)
     found = []
-    for one_op, split in ((False, False), (True, False), (True, True)):
+    for one_op, split, may in (
+        (False, False, True),
+        (True, False, True),
+        (True, True, True),
+        (True, False, False),
+    ):
+        in_place = one_op and may and not split
         tables = TapTables(
             ("a", "b"), max_tokens=8, hidden=3, entries=4, device="cpu", store_size=64, one_op=one_op
         )
@@ -628,14 +671,17 @@ def test_one_operation_a_tap_computes_what_steer_and_keep_do():
         generator.manual_seed(2)
         hidden, residual = torch.randn(5, 3, generator=generator), torch.randn(5, 3, generator=generator)
         given = (hidden.clone(), residual.clone())
-        pair = _apply(tables, 0, given)
-        assert (pair[0] is given[0]) == (one_op and not split) and pair[1] is given[1]
+        pair = _apply(tables, 0, given, in_place=may)
+        assert (pair[0] is given[0]) == in_place and pair[1] is given[1]
         kept_pair = tables.store.clone()
         value = hidden.clone()
-        tensor = _apply(tables, 0, value)
-        assert (tensor is value) == (one_op and not split)
+        tensor = _apply(tables, 0, value, in_place=may)
+        assert (tensor is value) == in_place
+        assert torch.equal(value, tensor if in_place else hidden)  # a new tensor leaves the value be
         kept_tensor = tables.store.clone()
-        found.append((pair, kept_pair, tensor, kept_tensor, _apply(tables, 0, (hidden.clone(),))))
+        found.append(
+            (pair, kept_pair, tensor, kept_tensor, _apply(tables, 0, (hidden.clone(),), in_place=may))
+        )
     for pair1, kept_pair1, tensor1, kept_tensor1, single1 in found[1:]:
         pair, kept_pair, tensor, kept_tensor, single = found[0]
         assert torch.equal(pair[0], pair1[0]) and torch.equal(pair[1], pair1[1])

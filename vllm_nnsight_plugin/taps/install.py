@@ -865,13 +865,19 @@ _TAPPED: dict[tuple[type, frozenset[str], bool, int], type] = {}
 _BASE = "_vllm_nnsight_tapped_from"
 
 
-def _apply(tables: TapTables, site: int, out: Any) -> Any:
+def _apply(tables: TapTables, site: int, out: Any, in_place: bool = False) -> Any:
     """The tap operations on a value: a tensor, or a tuple led by the hidden state
-    (whose second value, where it is a tensor, is kept beside it)."""
+    (whose second value, where it is a tensor, is kept beside it).
+
+    ``in_place``: the value may be edited where it is (a module's output that is
+    none of the values it was handed), which spares the copy of every row nobody
+    touches. Otherwise, or where the graph is split at the taps, the tap writes a
+    new tensor: an operation's result or a value handed to a module may be a view
+    of something the forward reads again."""
     paired = isinstance(out, tuple) and len(out) >= 2 and isinstance(out[1], torch.Tensor)
     # (value, None): a linear layer's output without its bias, kept as one tensor
     first = isinstance(out, tuple) and len(out) == 2 and out[1] is None
-    if tables.one_op and not tables.split:  # the value edited in place: an idle row costs nothing
+    if tables.one_op and in_place and not tables.split:  # an idle row costs nothing
         table, bank, how, store = tables.table, tables.bank, tables.how, tables.store
         if paired:
             ops.tap_pair_in_place.default(out[0], out[1], table, bank, how, store, site)
@@ -950,7 +956,9 @@ def _tapped_class(base: type, operations: frozenset[str], output: bool, inputs: 
 
         def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
             out = original(self, *args, **kwargs)
-            return _apply(self.__dict__[_TABLES], self.__dict__[_SITES][None], out)
+            value = out[0] if isinstance(out, tuple) and out else out
+            handed = any(value is given for given in (*args, *kwargs.values()))
+            return _apply(self.__dict__[_TABLES], self.__dict__[_SITES][None], out, in_place=not handed)
 
     found = _TAPPED[key] = type(
         base.__name__, (base,), {"forward": forward, "__module__": base.__module__, _BASE: base}

@@ -509,8 +509,8 @@ def tap_in_place(
     keeps: int,
 ) -> None:
     """``tap`` writing the new value over ``hidden`` itself (its second value is
-    ``hidden`` as it came): a row nobody steers or keeps costs nothing, where
-    ``tap`` copies it. What a graph that is not split at the taps runs
+    ``hidden`` as it came): the kernel leaves a row nobody steers or keeps as it
+    is, where ``tap`` copies it. What a graph that is not split at the taps runs
     (:func:`tapped_in_place`)."""
     _tapped(hidden, hidden, hidden, table, bank, how, store, site, keeps, pair=False)
 
