@@ -66,9 +66,9 @@ def uncollected() -> Iterator[None]:
     does not resume between one request's list and the next.
     """
     paused = gc.isenabled()
-    if paused:
-        gc.disable()
-    try:
+    try:  # (disabled inside: a budget's stop, raised between two bytecodes, still resumes it)
+        if paused:
+            gc.disable()
         yield
     finally:
         if paused:

@@ -40,12 +40,15 @@ operation has one shape for every step and one store serves every tap. Code 4
 keeps both outputs, ``first`` at ``dest`` and ``second`` in the row after it
 (a ``tracer.cache`` of the tap: its whole output, every step).
 
-A tap runs both as one operation. Where the compiled graph is whole at the taps
-(the default) that is ``torch.ops.vllm_nnsight.tap_in_place(hidden, table, bank,
-how, store, site, keeps)`` (``tap_pair_in_place`` for a (hidden, residual)
-pair), which edits ``hidden`` itself: the kernel does not touch a row nobody
-steers or keeps, and torch.compile keeps the edit in the value's own buffer.
-Where the graph is split at the taps it is ``torch.ops.vllm_nnsight.tap(hidden,
+A tap runs both as one operation. On a module's output (none of the values it
+was handed) where the compiled graph is whole at the taps (the default) that is
+``torch.ops.vllm_nnsight.tap_in_place(hidden, table, bank, how, store, site,
+keeps)`` (``tap_pair_in_place`` for a (hidden, residual) pair), which edits
+``hidden`` itself: the kernel does not touch a row nobody steers or keeps, and
+torch.compile keeps the edit in the value's own buffer. On an operation's result
+or a value handed to a module (either may be a view of a tensor the forward
+reads again), and where the graph is split at the taps, it is
+``torch.ops.vllm_nnsight.tap(hidden,
 second, out, table, bank, how, store, site, keeps)``, which writes the new value
 into ``out`` (:func:`tapped` allocates it just before, so the piece before the
 tap owns that buffer and the piece after reads it where it was captured;
