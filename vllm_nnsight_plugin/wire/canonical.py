@@ -13,8 +13,9 @@ original (the keys only pair each storage's record with its data). Anything that
 is not the layout expected is returned as it came: a request then shares less,
 never wrongly.
 
-A tensor the block holds alone (its whole storage, nothing else captured on it)
-need not go through torch's save at all: :func:`tensor_args` reads its bytes,
+A tensor that owns its whole storage need not go through torch's save at all
+(torch's pickle gives each pickled tensor a storage of its own anyway, so nothing
+shared is lost): :func:`tensor_args` reads its bytes,
 dtype, shape and device, which are a function of its value, and
 :func:`rebuild_tensor` makes it again in the worker. That skips the save and the
 renaming, most of a small captured tensor's pickling (activation patching
