@@ -107,7 +107,7 @@ def check_in_place(hidden, residual, table, bank, how, site) -> None:
         want = ops.launch(kernel, hidden, residuals[0], table, bank, how, stores[0], site, keeps, keeps == 1)
         value = hidden.clone()
         got = ops.launch(
-            kernel, value, residuals[1], table, bank, how, stores[1], site, keeps, keeps == 1, in_place=True
+            kernel, value, residuals[1], table, bank, how, stores[1], site, keeps, keeps == 1, out=value
         )
         assert got is value and torch.equal(got, want), keeps
         assert torch.equal(stores[0], stores[1]) and torch.equal(residuals[0], residuals[1]), keeps

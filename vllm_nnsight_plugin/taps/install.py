@@ -31,7 +31,7 @@ from __future__ import annotations
 import ast
 import logging
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -80,28 +80,16 @@ class _Repeat:
         self.moves = moves
 
 
-class _Moves:
+class _Moves(NamedTuple):
     """The keeps of a repeatable step whose place moves with the step: each kept
     row's cell in the table (``rows``, ``sites``), its entry, whether the step's
     pick chose it, and the entries whose count of kept rows advances (not a ring)."""
 
-    __slots__ = ("rows", "sites", "entries", "chosen", "advancing")
-
-    def __init__(
-        self,
-        rows: np.ndarray,
-        sites: np.ndarray,
-        entries: np.ndarray,
-        chosen: np.ndarray,
-        advancing: np.ndarray,
-    ) -> None:
-        self.rows, self.sites, self.entries, self.chosen, self.advancing = (
-            rows,
-            sites,
-            entries,
-            chosen,
-            advancing,
-        )
+    rows: np.ndarray
+    sites: np.ndarray
+    entries: np.ndarray
+    chosen: np.ndarray
+    advancing: np.ndarray
 
 
 def _row_of(index: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -877,23 +865,23 @@ def _apply(tables: TapTables, site: int, out: Any, in_place: bool = False) -> An
     paired = isinstance(out, tuple) and len(out) >= 2 and isinstance(out[1], torch.Tensor)
     # (value, None): a linear layer's output without its bias, kept as one tensor
     first = isinstance(out, tuple) and len(out) == 2 and out[1] is None
-    if tables.one_op and in_place and not tables.split:  # an idle row costs nothing
+    if tables.one_op:
         table, bank, how, store = tables.table, tables.bank, tables.how, tables.store
-        if paired:
-            ops.tap_pair_in_place.default(out[0], out[1], table, bank, how, store, site)
-            return out
-        if isinstance(out, tuple):
-            keeps = ops.FIRST if first else 0
-            return (ops.tapped_in_place(out[0], table, bank, how, store, site, keeps), *out[1:])
-        return ops.tapped_in_place(out, table, bank, how, store, site, ops.ONE)
-    if tables.one_op:  # a graph split at the taps: each piece's output is its own buffer
-        tap, table, bank, how, store = ops.tapped, tables.table, tables.bank, tables.how, tables.store
+        # in place an idle row costs nothing; a graph split at the taps needs each
+        # piece's output in a buffer of its own
+        over = in_place and not tables.split
         if paired:  # the residual is patched in place (``out[1]`` is the same tensor after)
+            if over:
+                ops.tap_pair_in_place.default(out[0], out[1], table, bank, how, store, site)
+                return out
             return (ops.tapped_pair(out[0], out[1], table, bank, how, store, site), *out[1:])
-        if isinstance(out, tuple):
-            keeps = ops.FIRST if first else 0
-            return (tap(out[0], out[0], table, bank, how, store, site, keeps), *out[1:])
-        return tap(out, out, table, bank, how, store, site, ops.ONE)
+        value = out[0] if isinstance(out, tuple) else out
+        keeps = (ops.FIRST if first else 0) if isinstance(out, tuple) else ops.ONE
+        if over:
+            value = ops.tapped_in_place(value, table, bank, how, store, site, keeps)
+        else:
+            value = ops.tapped(value, value, table, bank, how, store, site, keeps)
+        return (value, *out[1:]) if isinstance(out, tuple) else value
     steer, keep = torch.ops.vllm_nnsight.steer, torch.ops.vllm_nnsight.keep
     if paired:
         hidden = torch.ops.vllm_nnsight.steer_pair(

@@ -455,19 +455,6 @@ def keep(
         flat.index_put_((at.reshape(-1),), part.to(store.dtype).reshape(-1))
 
 
-@_fake("keep")
-def _(
-    first: torch.Tensor,
-    second: torch.Tensor,
-    codes: torch.Tensor,
-    dest: torch.Tensor,
-    store: torch.Tensor,
-    site: int,
-    passed: int = 0,
-) -> None:
-    return None
-
-
 @_operation(mutates=("out", "store"))
 def tap(
     hidden: torch.Tensor,
@@ -532,30 +519,14 @@ def tap_pair_in_place(
     _tapped(hidden, second, hidden, table, bank, how, store, site, 1, pair=True)
 
 
-@_fake("tap_in_place")
-def _(
-    hidden: torch.Tensor,
-    table: torch.Tensor,
-    bank: torch.Tensor,
-    how: torch.Tensor,
-    store: torch.Tensor,
-    site: int,
-    keeps: int,
-) -> None:
+def _writes_only(*args: Any, **kwargs: Any) -> None:
+    """The fake of an operation that returns nothing (it writes into its arguments,
+    as its schema declares): one for all of them, whatever their arguments."""
     return None
 
 
-@_fake("tap_pair_in_place")
-def _(
-    hidden: torch.Tensor,
-    second: torch.Tensor,
-    table: torch.Tensor,
-    bank: torch.Tensor,
-    how: torch.Tensor,
-    store: torch.Tensor,
-    site: int,
-) -> None:
-    return None
+for _name in ("keep", "tap", "tap_pair", "tap_in_place", "tap_pair_in_place"):
+    _fake(_name)(_writes_only)
 
 
 #: The operations a compiled engine's graph may be split at, so that on a step whose
@@ -655,7 +626,7 @@ def _tapped(
             keep(out, out if keeps == 2 else second, codes, dest, store, site)
     else:
         _SEEN[slots_at, site] = (tuple(hidden.shape), hidden.dtype)
-        launch(kernel, hidden, second, table, bank, how, store, site, keeps, pair, out=out, in_place=in_place)
+        launch(kernel, hidden, second, table, bank, how, store, site, keeps, pair, out=out)
     _at_the_tap(site, out, second if pair else None)
 
 
@@ -671,51 +642,21 @@ def launch(
     keeps: int,
     pair: bool = False,
     out: torch.Tensor | None = None,
-    in_place: bool = False,
 ) -> torch.Tensor:
-    """One program a row of ``hidden``; the new value, into ``out`` where given, or
-    over ``hidden`` itself (``in_place``: a row nobody steers or keeps is not
-    written); ``store``, and for a pair the residual's patched rows, are written
-    in place."""
-    out = hidden if in_place else torch.empty_like(hidden) if out is None else out
+    """One program a row of ``hidden``; the new value, into ``out`` where given (a
+    new tensor otherwise), which may be ``hidden`` itself: then a row nobody steers
+    or keeps is not written. ``store``, and for a pair the residual's patched rows,
+    are written in place."""
+    out = torch.empty_like(hidden) if out is None else out
     rows, width = hidden.shape
     if rows:
         block = min(1024, 1 << (width - 1).bit_length())
         bank_width, store_width = bank.shape[-1], store.shape[-1]
         kernel[(rows,)](
             hidden, second, out, table, bank, how, store, site, table.shape[2],
-            width, bank_width, store_width, chunks(width, store_width), block, keeps, pair, int(in_place),
+            width, bank_width, store_width, chunks(width, store_width), block, keeps, pair, int(out is hidden),
         )  # fmt: skip
     return out
-
-
-@_fake("tap_pair")
-def _(
-    hidden: torch.Tensor,
-    second: torch.Tensor,
-    out: torch.Tensor,
-    table: torch.Tensor,
-    bank: torch.Tensor,
-    how: torch.Tensor,
-    store: torch.Tensor,
-    site: int,
-) -> None:
-    return None
-
-
-@_fake("tap")
-def _(
-    hidden: torch.Tensor,
-    second: torch.Tensor,
-    out: torch.Tensor,
-    table: torch.Tensor,
-    bank: torch.Tensor,
-    how: torch.Tensor,
-    store: torch.Tensor,
-    site: int,
-    keeps: int,
-) -> None:
-    return None
 
 
 def _kernel() -> Any:
