@@ -1446,14 +1446,17 @@ def profile_engine(path: str, graphs: bool = False, taps: bool = False) -> None:
     ten plain one-token calls beside them, and ten logit lenses. Tapped
     (``profile-taps``, graphed, layer 18 tapped, or ``GPU_BENCH_TAPS``): the lowered
     capture of 1,000 x 128 and steering of 256 x 128, beside plain 1,000 x 128,
-    steering and a direction removed at 64 x 128 (``steer64``, ``remove``), ten
+    steering and a direction removed at 64 x 128 (``steer64``, ``remove``), plain
+    64 x 128 and 64 x 16 (``plain64``, ``plain16``: the probe's and patching's
+    plain runs), ten
     logit lenses beside ten one-token traces, patching (64 x 16), where every
     layer is tapped the probe (64 x 128), one block at the taps among 63 plain
     requests (x 32, ``at_taps``) and ten plain one-token calls (``plain1``), and
     1,024 prompts sharing a 512-token prefix, plain and as a last-row sweep
     (``prefix_plain``, ``prefix_sweep``), and 1,024 unique prompts the same way
     (``unique_plain``, ``unique_sweep``);
-    ``GPU_BENCH_PROFILE_JOBS`` (comma-separated names) picks some."""
+    ``GPU_BENCH_PROFILE_JOBS`` (comma-separated names) picks some;
+    ``GPU_BENCH_PROFILE_DUMP`` (a folder) keeps each job's ``<job>.pstats``."""
     import cProfile
 
     from vllm import LLM, SamplingParams
@@ -1477,8 +1480,11 @@ def profile_engine(path: str, graphs: bool = False, taps: bool = False) -> None:
     }
     if taps:
         many = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True, detokenize=False)
+        short = SamplingParams(temperature=0.0, max_tokens=SHORT, ignore_eos=True, detokenize=False)
         jobs = {
             "plain1000": lambda: llm.generate(unique(MANY), many, use_tqdm=False),
+            "plain64": lambda: llm.generate(unique(CONCURRENT), many, use_tqdm=False),
+            "plain16": lambda: llm.generate(unique(CONCURRENT), short, use_tqdm=False),
             "capture1000": lambda: capture(model, unique(MANY), TOKENS),
             "steer256": lambda: steer(model, unique(WIDE), TOKENS, vector),
             "lens": lambda: [lens(model, few[0]) for _ in range(10)],
@@ -1526,6 +1532,8 @@ def profile_engine(path: str, graphs: bool = False, taps: bool = False) -> None:
             result(engine=name, job=f"{job}-top", row=row)
         for row in plugin_parts(profiler):
             result(engine=name, job=f"{job}-plugin", row=row)
+        if dump := os.environ.get("GPU_BENCH_PROFILE_DUMP"):
+            profiler.dump_stats(Path(dump) / f"{job}.pstats")
 
 
 def hf_engine(path: str) -> None:
