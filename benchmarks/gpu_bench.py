@@ -24,6 +24,9 @@ Engines (MODEL_DIR holds a config and tokenizer; weights are ``load_format="dumm
 - ``profile-graphs`` the same on the graphed engine (one-token traces beside plain
                   calls, the lens, the sweep)
 - ``profile-taps`` the same on the tapped engine (lowered capture and steering)
+- ``phases-taps`` the tapped engine in one process, unprofiled, each phase a
+                  traced request passes through timed (``phases_cpu.instrument``):
+                  patching, the probe and the capture, each after its plain run
 
 ``GPU_BENCH_NO_IDLE=1`` skips the idle engine's plain runs (the paired jobs
 carry their own); ``GPU_BENCH_ENGINE_S`` (560) stops an engine's process after
@@ -1536,6 +1539,49 @@ def profile_engine(path: str, graphs: bool = False, taps: bool = False) -> None:
             profiler.dump_stats(Path(dump) / f"{job}.pstats")
 
 
+def phases_engine(path: str, repeats: int) -> None:
+    """Where the host time of patching, the probe and the capture goes, unprofiled:
+    the tapped engine, front end and worker in one process, each phase timed
+    (``phases_cpu.instrument``), each job ``repeats`` times after its plain run of
+    the same size (``<job>_phases`` rows: the wall time and each phase's
+    milliseconds and calls)."""
+    from vllm import LLM, SamplingParams
+
+    from vllm_nnsight_plugin import VLLM
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import phases_cpu
+
+    llm = LLM(path, enforce_eager=False, **ENGINE, additional_config={"nnsight_taps": TAPS})
+    model = VLLM(llm)
+    phases_cpu.instrument()
+    few = prompts(CONCURRENT)
+    rows = clean_rows(model, few[0])
+    layers = layer_count(path)
+
+    def params(tokens: int) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False)
+
+    jobs = {
+        "plain16": lambda: llm.generate(unique(CONCURRENT), params(SHORT), use_tqdm=False),
+        "patch": lambda: patch(model, unique(CONCURRENT), SHORT, rows),
+        "plain64": lambda: llm.generate(unique(CONCURRENT), params(TOKENS), use_tqdm=False),
+        "capture64": lambda: capture(model, unique(CONCURRENT), TOKENS),
+        "plain1000": lambda: llm.generate(unique(MANY), params(TOKENS), use_tqdm=False),
+        "capture1000": lambda: capture(model, unique(MANY), TOKENS),
+    }
+    if every_layer_tapped():
+        jobs["plain64_"] = jobs["plain64"]
+        jobs["probe"] = lambda: probe_rows(model, unique(CONCURRENT), TOKENS, layers)
+    for job, fn in jobs.items():
+        fn()  # warm-up
+        for _ in range(repeats):
+            phases_cpu.SPENT.clear()
+            wall = timed(fn)
+            spent = {label: [round(1000 * s, 1), n] for label, (s, n) in phases_cpu.SPENT.items()}
+            result(engine="phases-taps", job=f"{job}_phases", ms=round(1000 * wall, 1), phases=spent)
+
+
 def hf_engine(path: str) -> None:
     """nnsight's ``LanguageModel`` on HF transformers, random bf16 weights on the GPU."""
     import torch
@@ -1579,7 +1625,7 @@ def run(out: Path, path: str, engines: list[str], repeats: int) -> None:
     sink = (out / "results.jsonl").open("a")
     for name in engines:
         env = dict(os.environ)
-        if name.startswith("profile"):
+        if name.startswith(("profile", "phases")):
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         elif name == "hotwire":  # its wheel, unpacked for this process only
             site = out / "hotwire-site"
@@ -1617,7 +1663,7 @@ def table(*paths: Path) -> str:
     rows_of: dict[tuple[str, str], dict] = {}  # a row of each, for its unit
     for row in rows:
         value = row.get("tok_s", row.get("ms"))
-        if value is not None and not row["engine"].startswith("profile"):
+        if value is not None and not row["engine"].startswith(("profile", "phases")):
             by.setdefault((row["engine"], row["job"]), []).append(value)
             rows_of[(row["engine"], row["job"])] = row
     median = {key: statistics.median(values) for key, values in by.items()}
@@ -1667,6 +1713,8 @@ if __name__ == "__main__":
             nnsight_engine(path)
         elif name in ("profile", "profile-graphs", "profile-taps"):
             profile_engine(path, graphs=name != "profile", taps=name == "profile-taps")
+        elif name == "phases-taps":
+            phases_engine(path, repeats)
         elif name == "hf":
             hf_engine(path)
         elif name == "hotwire":
