@@ -25,7 +25,9 @@ the logits one after another, ``plain1`` twenty plain one-token calls;
 keeping every layer's last row every step (``gpu_bench.probe_rows``; with
 ``--every-layer``, which taps them all, it is lowered). The
 worker's per-step phases (the tables' fill, the forward's start, the sampler's
-two calls) are timed too, so a per-step cost shows apart from a per-request one.
+two calls) are timed too, so a per-step cost shows apart from a per-request one,
+and so are Python's cyclic collections (``gc: generation N``, and ``gc in <phase>``
+for the phase that was running when one began).
 """
 
 from __future__ import annotations
@@ -45,13 +47,19 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 SPENT: dict[str, list[float]] = {}
 
 
+#: The phases running now, innermost last (where a collection lands).
+_ACTIVE: list[str] = []
+
+
 def _timer(original: Any, label: str) -> Any:
     @functools.wraps(original)
     def timed(*args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
+        _ACTIVE.append(label)
         try:
             return original(*args, **kwargs)
         finally:
+            _ACTIVE.pop()
             seen = SPENT.setdefault(label, [0.0, 0])
             seen[0] += time.perf_counter() - started
             seen[1] += 1
@@ -67,7 +75,28 @@ def wrap(holder: Any, name: str, label: str | None = None) -> None:
         setattr(holder, name, _timer(getattr(holder, name), label or name))
 
 
+_GC_STARTED: list[float] = []
+
+
+def _gc_timer(phase: str, info: dict) -> None:
+    """Python's cyclic collections, timed as phases of their own (per generation):
+    their cost otherwise lands on whatever allocation set them off."""
+    if phase == "start":
+        _GC_STARTED[:] = [time.perf_counter()]
+    elif _GC_STARTED:
+        spent = time.perf_counter() - _GC_STARTED.pop()
+        where = _ACTIVE[-1] if _ACTIVE else "outside the phases"
+        for label in (f"gc: generation {info.get('generation')}", f"gc in {where}"):
+            seen = SPENT.setdefault(label, [0.0, 0])
+            seen[0] += spent
+            seen[1] += 1
+
+
 def instrument() -> None:
+    import gc
+
+    if _gc_timer not in gc.callbacks:
+        gc.callbacks.append(_gc_timer)
     from vllm.v1.engine import input_processor, llm_engine
 
     from vllm_nnsight_plugin import front
