@@ -24,6 +24,11 @@ Engines (MODEL_DIR holds a config and tokenizer; weights are ``load_format="dumm
 - ``profile-graphs`` the same on the graphed engine (one-token traces beside plain
                   calls, the lens, the sweep)
 - ``profile-taps`` the same on the tapped engine (lowered capture and steering)
+- ``profile-served`` the tapped engine as ``vllm.LLM`` runs it (the engine core in
+                  a process of its own): each job's wall time unprofiled after its
+                  plain run, then the front end and the worker each under cProfile
+                  (the worker's profiler started and stopped through
+                  ``collective_rpc``), both profiles packed into one archive
 - ``phases-taps`` the tapped engine in one process, unprofiled, each phase a
                   traced request passes through timed (``phases_cpu.instrument``):
                   patching, the probe and the capture, each after its plain run
@@ -97,6 +102,7 @@ import functools
 import itertools
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -1539,6 +1545,122 @@ def profile_engine(path: str, graphs: bool = False, taps: bool = False) -> None:
             profiler.dump_stats(Path(dump) / f"{job}.pstats")
 
 
+def _worker_profile_start(worker) -> None:
+    """(In the worker, through ``collective_rpc``.) Start profiling its thread."""
+    import cProfile
+
+    worker.__dict__["_bench_profile"] = profiler = cProfile.Profile()
+    profiler.enable()
+
+
+def _worker_profile_stop(worker, file: str) -> dict:
+    """(In the worker.) Stop, keep the profile in ``file``, and split it by entry point."""
+    profiler = worker.__dict__.pop("_bench_profile")
+    profiler.disable()
+    profiler.dump_stats(file)
+    import pstats
+
+    stats = pstats.Stats(profiler)
+    parts = {}
+    for (found, _, function), row in stats.stats.items():
+        if "vllm_nnsight_plugin" in found and function in (
+            "begin_step",
+            "_admit",
+            "collect",
+            "_collect",
+            "fill",
+            "pack_all",
+            "pool_part",
+            "forget",
+            "wind_up",
+        ):
+            key = f"{found.split('vllm_nnsight_plugin/')[-1]}:{function}"
+            parts[key] = round(1000 * row[3], 1)
+    return parts
+
+
+def served_profile_engine(path: str, repeats: int, out: Path) -> None:
+    """Where a traced job's time goes as ``vllm.LLM`` serves it: each job's wall time
+    unprofiled, ``repeats`` times after its plain run (``<job>_served`` rows), then
+    one run with the front end's process and the worker's each under cProfile
+    (``<job>_profiled`` rows: the worker's plugin parts, cumulative ms), the
+    profiles packed into ``out/served-pstats.tgz``."""
+    import cProfile
+    import tarfile
+
+    from vllm import LLM, SamplingParams
+
+    from vllm_nnsight_plugin import VLLM
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from profile_cpu import split
+
+    llm = LLM(path, enforce_eager=False, **ENGINE, additional_config={"nnsight_taps": TAPS})
+    model = VLLM(llm)
+    few = prompts(CONCURRENT)
+    rows = clean_rows(model, few[0])
+    layers = layer_count(path)
+    runs = itertools.count(700)
+
+    def params(tokens: int) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False)
+
+    one = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+    pairs = {
+        "patch": (
+            lambda: llm.generate(unique(CONCURRENT), params(SHORT), use_tqdm=False),
+            lambda: patch(model, unique(CONCURRENT), SHORT, rows),
+        ),
+        "capture1000": (
+            lambda: llm.generate(unique(MANY), params(TOKENS), use_tqdm=False),
+            lambda: capture(model, unique(MANY), TOKENS),
+        ),
+        "sweep": (
+            lambda: llm.generate(unique(SWEEP), one, use_tqdm=False),
+            lambda: sweep(model, unique(SWEEP)),
+        ),
+        "prefix_sweep": (
+            lambda: llm.generate(shared_prefix(SWEEP, next(runs)), one, use_tqdm=False),
+            lambda: sweep(model, shared_prefix(SWEEP, next(runs))),
+        ),
+    }
+    if every_layer_tapped():
+        pairs["probe"] = (
+            lambda: llm.generate(unique(CONCURRENT), params(TOKENS), use_tqdm=False),
+            lambda: probe_rows(model, unique(CONCURRENT), TOKENS, layers),
+        )
+    wanted = [j for j in os.environ.get("GPU_BENCH_PROFILE_JOBS", "").split(",") if j]
+    pairs = {job: pair for job, pair in pairs.items() if not wanted or job in wanted}
+    kept = out / "served-pstats"
+    kept.mkdir(parents=True, exist_ok=True)
+    for job, (plain, traced) in pairs.items():
+        plain(), traced()  # warm-up
+        for _ in range(repeats):
+            plain_s, traced_s = timed(plain), timed(traced)
+            result(
+                engine="profile-served",
+                job=f"{job}_served",
+                plain_ms=round(1000 * plain_s, 1),
+                ms=round(1000 * traced_s, 1),
+                ratio=round(plain_s / traced_s, 4),
+            )
+        llm.collective_rpc(_worker_profile_start)
+        front = cProfile.Profile()
+        wall = timed(lambda: front.runcall(traced))  # noqa: B023
+        (worker,) = llm.collective_rpc(_worker_profile_stop, args=(str(kept / f"{job}-worker.pstats"),))
+        front.dump_stats(kept / f"{job}-front.pstats")
+        result(
+            engine="profile-served",
+            job=f"{job}_profiled",
+            s=round(wall, 3),
+            front_ms=split(front, wall),
+            worker_ms=worker,
+        )
+    with tarfile.open(out / "served-pstats.tgz", "w:gz") as archive:
+        archive.add(kept, arcname="served-pstats")
+    shutil.rmtree(kept)
+
+
 def phases_engine(path: str, repeats: int) -> None:
     """Where the host time of patching, the probe and the capture goes, unprofiled:
     the tapped engine, front end and worker in one process, each phase timed
@@ -1625,7 +1747,10 @@ def run(out: Path, path: str, engines: list[str], repeats: int) -> None:
     sink = (out / "results.jsonl").open("a")
     for name in engines:
         env = dict(os.environ)
-        if name.startswith(("profile", "phases")):
+        if name == "profile-served":  # the worker's profiler travels as a function
+            env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        elif name.startswith(("profile", "phases")):
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         elif name == "hotwire":  # its wheel, unpacked for this process only
             site = out / "hotwire-site"
@@ -1638,6 +1763,7 @@ def run(out: Path, path: str, engines: list[str], repeats: int) -> None:
             env["VLLM_PLUGINS"] = "hotwire"
         elif not name.startswith("on-"):
             env["VLLM_PLUGINS"] = ""  # load no vLLM plugin in this process
+        env["GPU_BENCH_OUT"] = str(out)
         command = [sys.executable, __file__, "engine", name, path, str(repeats)]
         log = (out / f"{name}.log").open("w")
         started = time.perf_counter()
@@ -1715,6 +1841,8 @@ if __name__ == "__main__":
             profile_engine(path, graphs=name != "profile", taps=name == "profile-taps")
         elif name == "phases-taps":
             phases_engine(path, repeats)
+        elif name == "profile-served":
+            served_profile_engine(path, repeats, Path(os.environ.get("GPU_BENCH_OUT", ".")))
         elif name == "hf":
             hf_engine(path)
         elif name == "hotwire":
