@@ -23,7 +23,10 @@ the logits one after another, ``plain1`` twenty plain one-token calls;
 ``patch`` 64 invokes x ``--tokens``, each patching one prompt position of layer
 18 from a clean prompt's rows (``gpu_bench.patch``); ``probe`` 64 x ``--tokens``
 keeping every layer's last row every step (``gpu_bench.probe_rows``; with
-``--every-layer``, which taps them all, it is lowered). The
+``--every-layer``, which taps them all, it is lowered); ``capture`` 1,000 x
+``--tokens`` keeping layer 18's output every step (``gpu_bench.capture``: a
+quarter of them run at a time, the rest wait), ``plain_capture`` the same plain.
+The scheduler's ``schedule`` is timed per step. The
 worker's per-step phases (the tables' fill, the forward's start, the sampler's
 two calls) are timed too, so a per-step cost shows apart from a per-request one,
 and so are Python's cyclic collections (``gc: generation N``, and ``gc in <phase>``
@@ -97,6 +100,7 @@ def instrument() -> None:
 
     if _gc_timer not in gc.callbacks:
         gc.callbacks.append(_gc_timer)
+    from vllm.v1.core.sched import scheduler
     from vllm.v1.engine import input_processor, llm_engine
 
     from vllm_nnsight_plugin import front
@@ -113,6 +117,7 @@ def instrument() -> None:
     wrap(llm_engine.LLMEngine, "add_request", "add_request (vLLM)")
     wrap(input_processor.InputProcessor, "process_inputs", "add_request: process_inputs")
     wrap(llm_engine.LLMEngine, "step", "engine steps (vLLM)")
+    wrap(scheduler.Scheduler, "schedule", "steps: schedule (engine core)")
     wrap(runtime.WorkerRuntime, "begin_step", "steps: begin (worker)")
     wrap(runtime.WorkerRuntime, "_on_forward", "steps: forward's start (worker)")
     wrap(install.TapTables, "fill", "steps: tables filled")
@@ -188,6 +193,12 @@ def main() -> None:
         "steer": lambda: blocks.steer(model, ids(64), args.tokens, vector),
         "patch": patch,
         "probe": lambda: blocks.probe_rows(model, ids(64), args.tokens, 36),
+        "capture": lambda: blocks.capture(model, ids(1000), args.tokens),
+        "plain_capture": lambda: llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in ids(1000)],
+            SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True, detokenize=False),
+            use_tqdm=False,
+        ),
         "steer_docs": lambda: blocks.steer_as_the_docs_write_it(model, ids(64), args.tokens, vector),
     }
     for name in args.jobs.split(","):

@@ -192,6 +192,20 @@ FACTS: tuple[Fact, ...] = (
         "plain requests preempted first",
     ),
     Fact(_SCHEDULER, "Scheduler.__init__", "self.running: list[Request]", "plain requests preempted first"),
+    # A step whose running requests fill every slot, or that preempts, starts no
+    # waiting request (``engine._no_room``): the scheduler's reads are skipped then.
+    Fact(
+        _SCHEDULER,
+        "Scheduler.schedule",
+        ("num_running >= self.max_num_running_reqs", "num_running >= self.max_num_active_reqs"),
+        "the scheduler's reads skipped when no slot is free",
+    ),
+    Fact(
+        _SCHEDULER,
+        "Scheduler.schedule",
+        "if not preempted_reqs",
+        "the scheduler's reads skipped when no slot is free",
+    ),
     # What ends a request on its sampled token (``worker/stops.py``).
     Fact("vllm.config.scheduler", "SchedulerConfig", "async_scheduling", "ending tokens"),
     Fact("vllm.v1.core.sched.utils", "check_stop", "sampling_params.min_tokens", "ending tokens"),
