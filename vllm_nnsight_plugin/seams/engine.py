@@ -71,7 +71,7 @@ def scheduled(scheduler: Any, original: Callable, *args: Any, **kwargs: Any) -> 
     running list of traced requests alone is left as it is, and finished ids leave
     the books once they outnumber the live ones by ``_STALE``. A thousand traced
     requests, a quarter of them running, read every id three times a step before
-    (0.46 ms a step on this project's CPU machine).
+    (0.27 ms a step on this project's CPU machine; ``benchmarks/scheduler_wrap.py``).
     """
     _traced_first(scheduler)
     waiting = scheduler.__dict__.get("_nnsight_waiting")
@@ -107,8 +107,8 @@ def _no_room(scheduler: Any) -> bool:
 _REQUEST_ID = operator.attrgetter("request_id")
 
 #: Finished or aborted ids the books may hold beyond the scheduler's live
-#: requests before they are dropped (a stale id costs a set entry, nothing more:
-#: ids are not reused).
+#: requests before they are dropped: a stale id costs a set entry, nothing more
+#: (the engine's ids carry a random suffix unless an operator turns it off).
 _STALE = 256
 
 
