@@ -180,6 +180,15 @@ def settle() -> None:
     gc.freeze()
 
 
+def plain_run(llm, n: int, tokens: int) -> list:
+    """``n`` fresh prompts, plain, each drawing exactly ``tokens`` greedy tokens: the
+    plain run a traced job of that size is set beside."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False)
+    return llm.generate(unique(n), params, use_tqdm=False)
+
+
 def timed(fn) -> float:
     import torch
 
@@ -1489,11 +1498,10 @@ def profile_engine(path: str, graphs: bool = False, taps: bool = False) -> None:
     }
     if taps:
         many = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True, detokenize=False)
-        short = SamplingParams(temperature=0.0, max_tokens=SHORT, ignore_eos=True, detokenize=False)
         jobs = {
             "plain1000": lambda: llm.generate(unique(MANY), many, use_tqdm=False),
-            "plain64": lambda: llm.generate(unique(CONCURRENT), many, use_tqdm=False),
-            "plain16": lambda: llm.generate(unique(CONCURRENT), short, use_tqdm=False),
+            "plain64": lambda: plain_run(llm, CONCURRENT, TOKENS),
+            "plain16": lambda: plain_run(llm, CONCURRENT, SHORT),
             "capture1000": lambda: capture(model, unique(MANY), TOKENS),
             "steer256": lambda: steer(model, unique(WIDE), TOKENS, vector),
             "lens": lambda: [lens(model, few[0]) for _ in range(10)],
@@ -1601,18 +1609,14 @@ def served_profile_engine(path: str, repeats: int, out: Path) -> None:
     rows = clean_rows(model, few[0])
     layers = layer_count(path)
     runs = itertools.count(700)
-
-    def params(tokens: int) -> SamplingParams:
-        return SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False)
-
     one = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
     pairs = {
         "patch": (
-            lambda: llm.generate(unique(CONCURRENT), params(SHORT), use_tqdm=False),
+            lambda: plain_run(llm, CONCURRENT, SHORT),
             lambda: patch(model, unique(CONCURRENT), SHORT, rows),
         ),
         "capture1000": (
-            lambda: llm.generate(unique(MANY), params(TOKENS), use_tqdm=False),
+            lambda: plain_run(llm, MANY, TOKENS),
             lambda: capture(model, unique(MANY), TOKENS),
         ),
         "sweep": (
@@ -1626,7 +1630,7 @@ def served_profile_engine(path: str, repeats: int, out: Path) -> None:
     }
     if every_layer_tapped():
         pairs["probe"] = (
-            lambda: llm.generate(unique(CONCURRENT), params(TOKENS), use_tqdm=False),
+            lambda: plain_run(llm, CONCURRENT, TOKENS),
             lambda: probe_rows(model, unique(CONCURRENT), TOKENS, layers),
         )
     wanted = [j for j in os.environ.get("GPU_BENCH_PROFILE_JOBS", "").split(",") if j]
@@ -1667,7 +1671,7 @@ def phases_engine(path: str, repeats: int) -> None:
     (``phases_cpu.instrument``), each job ``repeats`` times after its plain run of
     the same size (``<job>_phases`` rows: the wall time and each phase's
     milliseconds and calls)."""
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     from vllm_nnsight_plugin import VLLM
 
@@ -1680,16 +1684,12 @@ def phases_engine(path: str, repeats: int) -> None:
     few = prompts(CONCURRENT)
     rows = clean_rows(model, few[0])
     layers = layer_count(path)
-
-    def params(tokens: int) -> SamplingParams:
-        return SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False)
-
     jobs = {
-        "plain16": lambda: llm.generate(unique(CONCURRENT), params(SHORT), use_tqdm=False),
+        "plain16": lambda: plain_run(llm, CONCURRENT, SHORT),
         "patch": lambda: patch(model, unique(CONCURRENT), SHORT, rows),
-        "plain64": lambda: llm.generate(unique(CONCURRENT), params(TOKENS), use_tqdm=False),
+        "plain64": lambda: plain_run(llm, CONCURRENT, TOKENS),
         "capture64": lambda: capture(model, unique(CONCURRENT), TOKENS),
-        "plain1000": lambda: llm.generate(unique(MANY), params(TOKENS), use_tqdm=False),
+        "plain1000": lambda: plain_run(llm, MANY, TOKENS),
         "capture1000": lambda: capture(model, unique(MANY), TOKENS),
     }
     if every_layer_tapped():
