@@ -1382,6 +1382,7 @@ def at_taps_jobs(model, llm, name: str, repeats: int, few: list, params) -> None
         steps_at_taps=after.get("steps_at_taps", 0) - before.get("steps_at_taps", 0),
         uncompiled_steps=after["uncompiled_steps"] - before["uncompiled_steps"],
         split_at_taps=after.get("split_at_taps"),
+        broken_at_taps=after.get("broken_at_taps"),
         graph_modes={
             mode: count - before.get("graph_modes", {}).get(mode, 0)
             for mode, count in after.get("graph_modes", {}).items()

@@ -154,6 +154,7 @@ TAPS = "VLLM_NNSIGHT_TAPS"
 EAGER_STEPS = "VLLM_NNSIGHT_EAGER_STEPS"
 TAP_KERNEL = "VLLM_NNSIGHT_TAP_KERNEL"
 SPLIT_AT_TAPS = "VLLM_NNSIGHT_SPLIT_AT_TAPS"
+BREAK_AT_TAPS = "VLLM_NNSIGHT_BREAK_AT_TAPS"
 KEPT_BYTES = "VLLM_NNSIGHT_KEPT_BYTES"
 SHARED_SAVES_BYTES = "VLLM_NNSIGHT_SHARED_SAVES_BYTES"
 LEND_SAVES = "VLLM_NNSIGHT_LEND_SAVES"
@@ -283,6 +284,15 @@ SETTINGS: tuple[Setting, ...] = (
         "blocks run at the taps then replays the pieces between the taps instead of running without "
         "CUDA graphs, and every step that replays pieces (prefills, mixed batches) runs each tap as "
         "Python (unset: whole at the taps)",
+    ),
+    Setting(
+        BREAK_AT_TAPS,
+        _flag,
+        True,
+        "flag",
+        "`0` captures no second set of a GPU engine's graphs of the whole forward broken at the taps: "
+        "a decode step whose blocks run at the taps then runs compiled without CUDA graphs (unset: "
+        "captured where vLLM's V2 runner captures full graphs and the taps run the kernel)",
     ),
     Setting(
         KEPT_BYTES,

@@ -32,12 +32,12 @@ TAPS = {"nnsight_taps": SESSION_TAPS}  # decoder layers, an attention operation,
 
 @pytest.fixture(scope="module")
 def tapped(smollm2_path):
-    # graphs and torch.compile, the graph split at each tap (blocks at the taps
-    # replay the pieces between them; docs/taps.md, "Python at the taps")
-    # collects read beside the step in flight by default (``worker/ready.py``), so
-    # every test here checks saves collected that way
-    env = {"VLLM_NNSIGHT_SPLIT_AT_TAPS": "1"}
-    return start(smollm2_path, env=env, additional_config=TAPS)
+    # graphs and torch.compile as configured by default: each graph of the whole
+    # forward also captured broken at the taps, which a decode step whose blocks
+    # run at the taps replays (docs/taps.md, "Python at the taps"); collects read
+    # beside the step in flight by default (``worker/ready.py``), so every test
+    # here checks saves collected that way
+    return start(smollm2_path, additional_config=TAPS)
 
 
 def steer_lowered(model, vectors):
@@ -229,6 +229,22 @@ def steer_lowered_one(model, vector):
 
 
 def test_a_block_at_the_taps_matches_the_lowered_edit_and_the_python_forward(tapped):
+    at_the_taps_against_lowered_and_python(tapped, "BROKEN", 7)
+
+
+def test_a_block_at_the_taps_between_piece_graphs_on_an_engine_split_at_the_taps(smollm2_path):
+    split = start(smollm2_path, env={"VLLM_NNSIGHT_SPLIT_AT_TAPS": "1"}, additional_config=TAPS)
+    try:
+        at_the_taps_against_lowered_and_python(split, "PIECEWISE", 8)
+    finally:
+        del split
+
+
+def at_the_taps_against_lowered_and_python(tapped, mode: str, steps: int) -> None:
+    """``steer_if`` at the taps: its steps replay graphs in ``mode`` (a split engine's
+    pieces, or the whole forward's graph broken at the taps: a batch of one decode
+    row fits the smallest capture size; the prompt's step runs without a graph there),
+    against the same edit lowered and against the whole forward as Python."""
     model = VLLM(tapped)
     torch.manual_seed(4)
     vector = (8.0 * torch.randn(576, device="cuda") / 24).to(torch.bfloat16)
@@ -236,13 +252,12 @@ def test_a_block_at_the_taps_matches_the_lowered_edit_and_the_python_forward(tap
     reads, out = steer_if(model, vector)
     middle = stats(tapped)
     assert out.nnsight_path["form"] == "taps"
-    assert middle["uncompiled_steps"] == before["uncompiled_steps"]
     assert middle["steps_at_taps"] - before["steps_at_taps"] >= 8
-    # The graph is split at the taps, and those steps replayed the pieces' graphs
-    # (a batch of one decode row fits the smallest capture size).
-    assert middle["split_at_taps"] is True
-    pieces = middle["graph_modes"].get("PIECEWISE", 0) - before["graph_modes"].get("PIECEWISE", 0)
-    assert pieces >= 8, (before["graph_modes"], middle["graph_modes"])
+    assert middle["split_at_taps"] is (mode == "PIECEWISE")
+    assert middle["broken_at_taps"] is (mode == "BROKEN")
+    replayed = middle["graph_modes"].get(mode, 0) - before["graph_modes"].get(mode, 0)
+    assert replayed >= steps, (before["graph_modes"], middle["graph_modes"])
+    assert middle["uncompiled_steps"] - before["uncompiled_steps"] <= 8 - steps
     # The same edit lowered: the same compiled kernels (this step without a graph).
     _, alone = steer_if(model, vector, reads=False)
     lowered = steer_lowered_one(model, vector)
@@ -290,3 +305,30 @@ def test_a_collect_beside_the_step_in_flight_reads_what_the_requests_kept(tapped
         assert len(rows) == len(wanted) == 2 + 3 * i
         assert [t.shape for t in rows] == [t.shape for t in wanted]
         assert min(cosine(a, b) for a, b in zip(rows, wanted)) >= 0.999
+
+
+def test_a_block_at_the_taps_that_changes_nothing_leaves_every_request_as_in_a_plain_batch(tapped):
+    """A decode step whose blocks run at the taps replays the whole forward's graph
+    broken at the taps: the same kernels on the same batch, so a block that edits
+    nothing (its ``if`` never true) leaves its own request and its plain neighbour
+    bit for bit as in a batch of plain requests of the same size."""
+    model = VLLM(tapped)
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=5)
+    plain = tapped.generate(PROMPTS[:2], params, use_tqdm=False)
+    before = stats(tapped)
+    with model.trace(temperature=0.0, max_tokens=12, logprobs=5) as tracer:
+        with tracer.invoke(PROMPTS[0]):
+            for _ in tracer.iter[:12]:
+                hidden = model.model.layers[10].output[0]
+                if hidden.norm() > 1e9:
+                    hidden[:] *= 0.5
+            traced = tracer.result.save()
+        with tracer.invoke(PROMPTS[1]):
+            neighbour = tracer.result.save()
+    after = stats(tapped)
+    assert traced.nnsight_path["form"] == "taps"
+    assert after["graph_modes"].get("BROKEN", 0) - before["graph_modes"].get("BROKEN", 0) >= 10
+    for got, want in ((traced, plain[0]), (neighbour, plain[1])):
+        assert list(got.outputs[0].token_ids) == list(want.outputs[0].token_ids)
+        for step_a, step_b in zip(got.outputs[0].logprobs, want.outputs[0].logprobs, strict=True):
+            assert {t: p.logprob for t, p in step_a.items()} == {t: p.logprob for t, p in step_b.items()}

@@ -119,6 +119,7 @@ from .frontend import (
     patch_openai_completion,
 )
 from .kernels import EagerKernels, eager_kernels
+from .runner_v2 import break_at_taps
 from .runners import patch_model_runners, runner_of
 from .worker import (
     GRAPH_MODES,
@@ -179,6 +180,7 @@ INSTALLERS: dict[str, Callable[[], None]] = {
 
 __all__ = [
     "answers_for_engine",
+    "break_at_taps",
     "building_meta_tree",
     "cached_rows",
     "carries_block",

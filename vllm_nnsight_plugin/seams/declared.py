@@ -57,6 +57,7 @@ class Seam:
 
 
 _V1, _V2, _V2_CPU = RUNNERS["v1"], RUNNERS["v2"], RUNNERS["v2-cpu"]
+_GRAPHS = "vllm.v1.worker.gpu.cudagraph_utils"
 #: Every wrap the plugin makes, and nothing else.
 SEAMS: tuple[Seam, ...] = (
     Seam("vllm.engine.arg_utils", "EngineArgs", "create_engine_config", ("self",), FRONT_END),
@@ -114,6 +115,10 @@ SEAMS: tuple[Seam, ...] = (
     Seam(_V2, "GPUModelRunner", "load_model", ("self",), WORKER, runner="v2"),
     # Called by its module-global name in the V2 runner's execute_model.
     Seam(_V2, "", "dispatch_cg_and_sync_dp", ("cudagraph_manager",), WORKER, runner="v2"),
+    # Graphs of the whole forward also captured broken at the taps, and replayed.
+    Seam(_V2, "GPUModelRunner", "capture_model", ("self",), WORKER, runner="v2"),
+    Seam(_GRAPHS, "CudaGraphManager", "capture", ("self", "create_forward_fn"), WORKER, runner="v2"),
+    Seam(_GRAPHS, "CudaGraphManager", "run_fullgraph", ("self", "desc"), WORKER, runner="v2"),
     Seam(
         _V2_CPU,
         "StandaloneCPUModelRunner",
@@ -285,6 +290,48 @@ FACTS: tuple[Fact, ...] = (
         "blocks at the taps between piece graphs",
         "v1",
     ),
+    # Graphs broken at the taps (``runner_v2._capturing_graphs``): vLLM makes a full
+    # graph's inputs with ``create_forward_fn(desc, warmup=False)`` (the attention
+    # metadata in the buffers every replay reads), captures ``forward_fn(NONE)``
+    # in its pool, and replays by the batch's descriptor; a step's forward is that
+    # replay, with no Python forward.
+    Fact(
+        _GRAPHS,
+        "CudaGraphManager.capture",
+        ("create_forward_fn(desc, warmup=False)", "desc, warmup=False"),
+        "graphs broken at the taps",
+        "v2",
+    ),
+    Fact(
+        _GRAPHS,
+        "CudaGraphManager.capture",
+        "forward_fn(CUDAGraphMode.NONE)",
+        "graphs broken at the taps",
+        "v2",
+    ),
+    Fact(_GRAPHS, "CudaGraphManager.capture", "self.pool", "graphs broken at the taps", "v2"),
+    Fact(
+        _GRAPHS,
+        "CudaGraphManager.run_fullgraph",
+        "self.graphs[desc].replay()",
+        "graphs broken at the taps",
+        "v2",
+    ),
+    Fact(
+        _V2,
+        "GPUModelRunner.execute_model",
+        "self.cudagraph_manager.run_fullgraph(batch_desc)",
+        "graphs broken at the taps",
+        "v2",
+    ),
+    Fact(
+        _V2,
+        "GPUModelRunner.capture_model",
+        "self.cudagraph_manager.capture(",
+        "graphs broken at the taps",
+        "v2",
+    ),
+    Fact("vllm.utils.torch_utils", "weak_ref_tensor", "def weak_ref_tensor", "graphs broken at the taps"),
     Fact("vllm.forward_context", "ForwardContext", "skip_compiled", "Python steps on a compiled engine"),
     Fact(
         "vllm.compilation.decorators",

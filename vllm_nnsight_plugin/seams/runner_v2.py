@@ -23,6 +23,16 @@ the GPU runner's ``execute_model`` calls it by name,
 ``dispatch_cg_and_sync_dp`` (no CUDA graph for a step with a Python block:
 ``need_eager``; piece graphs only for a step whose blocks run at the taps: the
 batch dispatched as one that is not a uniform decode).
+
+On a GPU runner that replays one CUDA graph of the whole forward for a decode
+batch (``CudaGraphManager.capture``, ``run_fullgraph``), and whose taps ask for
+it (:func:`break_at_taps`), each of those graphs is captured a second time
+broken at the taps (``taps/broken.py``, handed over by :func:`break_at_taps`), from the same inputs and attention
+metadata in the same buffers (vLLM's ``create_forward_fn(desc, warmup=False)``,
+inside its own capture: its stream, its pool); a step whose blocks run at the
+taps replays that one instead (:meth:`Runner.ask_broken`). Wrapped for it:
+``GPUModelRunner.capture_model`` (which runner captures), and
+``CudaGraphManager.capture`` and ``run_fullgraph``.
 """
 
 from __future__ import annotations
@@ -33,6 +43,8 @@ from collections.abc import Callable
 from typing import Any
 
 from .worker import (
+    BREAKS,
+    BROKEN_STEP,
     PIECEWISE_STEP,
     UNCOMPILED_STEP,
     Runner,
@@ -56,6 +68,12 @@ BATCH = "_nnsight_input_batch"
 _SAMPLER_HOOKS = "_nnsight_sampler_hooks"
 #: The runner whose ``execute_model`` is running in this process (one per worker).
 _RUNNING: list[Any] = []
+#: Where vLLM keeps the CUDA graphs of a batch size (``CudaGraphManager``).
+GRAPHS_MODULE = "vllm.v1.worker.gpu.cudagraph_utils"
+#: On a graph manager: batch descriptor -> its graph of the whole forward broken at the taps.
+BROKEN = "_nnsight_broken_graphs"
+#: The runner whose ``capture_model`` is running in this process.
+_CAPTURING: list[Any] = []
 
 
 def _dummy(args: tuple, kwargs: dict) -> bool:
@@ -82,6 +100,11 @@ class V2Runner(Runner):
             module = importlib.import_module(MODULE)
             if hasattr(module, "dispatch_cg_and_sync_dp"):
                 wrap(module, "dispatch_cg_and_sync_dp", _dispatching)
+            wrap(module.GPUModelRunner, "capture_model", _capturing_model)
+        if present(GRAPHS_MODULE):
+            manager = importlib.import_module(GRAPHS_MODULE).CudaGraphManager
+            wrap(manager, "capture", _capturing_graphs)
+            wrap(manager, "run_fullgraph", _replaying(hooks))
 
     @classmethod
     def runs(cls, runner: Any) -> bool:
@@ -171,19 +194,114 @@ def _dispatching(original: Callable) -> Callable:
     def dispatch_cg_and_sync_dp(*args: Any, **kwargs: Any) -> Any:
         runner = _RUNNING[-1] if _RUNNING else None
         result = None
+        mode = None
         if runner is not None and runner.__dict__.get(UNCOMPILED_STEP):
             kwargs["need_eager"] = True  # no CUDA graph for this step's batch
         elif runner is not None and runner.__dict__.get(PIECEWISE_STEP):
             result = _in_pieces(original, signature, args, kwargs)
             if result is None:
                 kwargs["need_eager"] = True
+        elif runner is not None and runner.__dict__.get(BROKEN_STEP):
+            result = _broken(original, signature, args, kwargs)
+            if result is None:
+                kwargs["need_eager"] = True
+            else:
+                mode = "BROKEN"
         if result is None:
             result = original(*args, **kwargs)
         if runner is not None:
-            count_graph_mode(runner, getattr(result[0], "cg_mode", None))
+            count_graph_mode(runner, mode or getattr(result[0], "cg_mode", None))
         return result
 
     return dispatch_cg_and_sync_dp
+
+
+def _broken(original: Callable, signature: inspect.Signature, args: tuple, kwargs: dict) -> Any:
+    """The dispatch of a batch whose graph of the whole forward was also captured
+    broken at the taps (``run_fullgraph`` replays that one), or None where it has
+    none, or ranks must agree on the dispatch (data parallel: asked once)."""
+    bound = signature.bind(*args, **kwargs)
+    if bound.arguments.get("dp_size", 1) != 1:
+        return None
+    result = original(*args, **kwargs)
+    broken = getattr(bound.arguments.get("cudagraph_manager"), "__dict__", {}).get(BROKEN)
+    return result if broken and result[0] in broken else None
+
+
+def break_at_taps(runner: Any, capture: Callable[[Any, Callable], Any]) -> bool:
+    """Have this runner capture each graph of its whole forward a second time,
+    broken at the taps, as ``with capture(pool, weak_ref): forward()``
+    (``taps/broken.BrokenGraph``); whether it will (call before it captures its graphs).
+
+    Only a V2 GPU runner on CUDA whose configuration captures full graphs."""
+    if not any(klass.__module__ == MODULE for klass in type(runner).__mro__):
+        return False
+    config = runner.vllm_config
+    mode = config.compilation_config.cudagraph_mode
+    if config.model_config.enforce_eager or mode is None or not mode.has_full_cudagraphs():
+        return False
+    if getattr(getattr(runner, "device", None), "type", None) != "cuda":
+        return False
+    runner.__dict__[BREAKS] = capture
+    return True
+
+
+def _capturing_model(original: Callable) -> Callable:
+    def capture_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _CAPTURING.append(self)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _CAPTURING.pop()
+
+    return capture_model
+
+
+def _capturing_graphs(original: Callable) -> Callable:
+    def capture(self: Any, create_forward_fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        runner = _CAPTURING[-1] if _CAPTURING else None
+        broken_graph = None if runner is None else runner.__dict__.get(BREAKS)
+        if broken_graph is None or runner.cudagraph_manager is not self:
+            return original(self, create_forward_fn, *args, **kwargs)
+        from vllm.utils.torch_utils import weak_ref_tensor
+
+        broken = self.__dict__.setdefault(BROKEN, {})
+
+        def create(desc: Any, warmup: bool) -> Any:
+            made = create_forward_fn(desc, warmup=warmup)
+            if warmup or desc.cg_mode.name != "FULL" or desc in broken:
+                return made
+            # vLLM captures from what this returns: capture the broken graph first,
+            # on its stream and in its pool, then give vLLM fresh inputs of its own.
+            forward = made[0] if isinstance(made, tuple) else made
+            with broken_graph(self.pool, weak_ref_tensor) as graph:
+                forward(type(desc.cg_mode).NONE)
+            broken[desc] = graph
+            return create_forward_fn(desc, warmup=warmup)
+
+        return original(self, create, *args, **kwargs)
+
+    return capture
+
+
+def _replaying(hooks: StepHooks) -> Callable[[Callable], Callable]:
+    def make(original: Callable) -> Callable:
+        def run_fullgraph(self: Any, desc: Any, *args: Any, **kwargs: Any) -> Any:
+            runner = _RUNNING[-1] if _RUNNING else None
+            broken = self.__dict__.get(BROKEN)
+            if not broken or runner is None or not runner.__dict__.get(BROKEN_STEP) or desc not in broken:
+                return original(self, desc, *args, **kwargs)
+            hooks.on_replay(runner)
+            graphs = self.graphs
+            whole, graphs[desc] = graphs[desc], broken[desc]  # replayed in its place
+            try:
+                return original(self, desc, *args, **kwargs)
+            finally:
+                graphs[desc] = whole
+
+        return run_fullgraph
+
+    return make
 
 
 def _in_pieces(original: Callable, signature: inspect.Signature, args: tuple, kwargs: dict) -> Any:

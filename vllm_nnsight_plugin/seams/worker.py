@@ -18,7 +18,8 @@ Everything the worker needs from a runner is one small interface,
 - the logits the sampler draws from and the tokens it drew
   (:meth:`Runner.hook_sampler`);
 - asking for the next forward without CUDA graphs (:meth:`Runner.ask_eager`),
-  or as the graphs of the pieces between the taps (:meth:`Runner.ask_pieces`);
+  as the graphs of the pieces between the taps (:meth:`Runner.ask_pieces`), or
+  as its graph of the whole forward broken at the taps (:meth:`Runner.ask_broken`);
 - where the tap tables are filled (the ``on_layout`` hook) and where the model
   is loaded (``on_loaded``, before vLLM compiles it or captures a graph);
 - the requests a step resumes after a preemption (:meth:`Runner.resumed`).
@@ -50,6 +51,9 @@ class StepHooks:
     on_loaded: Callable[[Any], None]
     #: ``(runner)``: this step's rows are known, before its forward (the tap tables fill here).
     on_layout: Callable[[Any], None]
+    #: ``(runner)``: the forward is about to replay graphs broken at the taps, where no
+    #: Python forward (so no module hook) starts it.
+    on_replay: Callable[[Any], None] = lambda runner: None
 
 
 class StepView:
@@ -141,6 +145,13 @@ class Runner:
         batch, the forward runs compiled without a graph."""
         runner.__dict__[PIECEWISE_STEP] = pieces
 
+    def ask_broken(self, runner: Any, broken: bool) -> None:
+        """Run (or stop running) this runner's next forward, where it would replay one
+        CUDA graph of the whole forward, as that forward's graphs broken at the taps
+        (``taps/broken.py``), so the taps hand their values to Python between them.
+        Where none was captured for the batch, the forward runs compiled without a graph."""
+        runner.__dict__[BROKEN_STEP] = broken
+
     def resumed(self, scheduler_output: Any, tracked: Any) -> set[str]:
         """The requests this step resumes after a preemption (``tracked``: the
         request ids whose blocks the worker holds); vLLM recomputes their prompt
@@ -152,6 +163,11 @@ class Runner:
 UNCOMPILED_STEP = "_nnsight_uncompiled_step"
 #: Set on a runner for a step whose forward may replay piece graphs only (:meth:`Runner.ask_pieces`).
 PIECEWISE_STEP = "_nnsight_piecewise_step"
+#: Set on a runner for a step whose graph of the whole forward is replayed broken at the taps.
+BROKEN_STEP = "_nnsight_broken_step"
+#: On a runner whose graphs are also captured broken at the taps: what captures them
+#: (``runner_v2.break_at_taps``).
+BREAKS = "_nnsight_breaks"
 #: On a runner: how many forwards vLLM dispatched in each CUDA-graph mode.
 GRAPH_MODES = "_nnsight_graph_modes"
 

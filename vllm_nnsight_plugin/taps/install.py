@@ -36,8 +36,9 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from ..settings import SPLIT_AT_TAPS, value
+from ..settings import BREAK_AT_TAPS, SPLIT_AT_TAPS, value
 from . import ops, source
+from .broken import BrokenGraph
 from .kept import Lowered, Regions, kept_saves, layers_saves, picks_a_row, rows_kept, store_rows
 from .spec import LAYER_LISTS, LAYERS, engine_taps, input_site, kernel_chosen, resolve, split_site
 
@@ -173,6 +174,8 @@ class TapTables:
         self.one_op = one_op
         #: the compiled graph is split at each tap (``seams.split_graph_at``; set at install)
         self.split = False
+        #: its graphs of the whole forward are also captured broken at the taps (``seams.break_at_taps``)
+        self.broken = False
         self.slots, self.codes, self.dest = (table[:, part].t() for part in range(3))
         ops.forget_seen(self.slots, self.codes)
         ops.quiet(table, None)
@@ -646,6 +649,7 @@ class TapTables:
             "taps": list(self.sites),
             "tap_operation": "one" if self.one_op else "steer and keep",
             "split_at_taps": self.split,
+            "broken_at_taps": self.broken,
             "lowered_now": len(self.requests),
             "kept_rows": self.kept_rows,
             "kept_free_rows": self.regions.free_rows(),
@@ -695,10 +699,23 @@ def install(runner: Any, model: Any) -> TapTables | None:
         and bool(value(SPLIT_AT_TAPS))
         and seams.split_graph_at(seams.config_of(runner), ops.SPLITTING)
     )
+    # Elsewhere a GPU engine that replays one graph of the whole forward for a
+    # decode batch also captures that graph broken at the taps, for the steps
+    # whose blocks run there (``broken.py``); plain steps keep the whole graph.
+    tables.broken = (
+        tables.one_op
+        and not tables.split
+        and bool(value(BREAK_AT_TAPS))
+        and seams.break_at_taps(runner, BrokenGraph)
+    )
     logger.info(
         "vllm-nnsight: taps on %d site(s)%s: %s",
         len(sites),
-        ", the compiled graph split at each" if tables.split else "",
+        ", the compiled graph split at each"
+        if tables.split
+        else ", graphs also captured broken at each"
+        if tables.broken
+        else "",
         ", ".join(sites),
     )
     return tables

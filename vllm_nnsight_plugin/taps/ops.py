@@ -100,6 +100,8 @@ from typing import Any
 
 import torch
 
+from . import broken
+
 try:  # the kernel of a tap on CUDA; without Triton a tap runs as tensor operations
     import triton
     import triton.language as tl
@@ -605,7 +607,7 @@ def _tapped(
         _SEEN[slots_at, site] = (tuple(hidden.shape), hidden.dtype)
         if not in_place:
             out.copy_(hidden)
-        _at_the_tap(site, out, second if pair else None)
+        _hand(site, out, second if pair else None)
         return
     kernel = _kernel() if hidden.is_cuda else None
     fits = (
@@ -627,7 +629,17 @@ def _tapped(
     else:
         _SEEN[slots_at, site] = (tuple(hidden.shape), hidden.dtype)
         launch(kernel, hidden, second, table, bank, how, store, site, keeps, pair, out=out)
-    _at_the_tap(site, out, second if pair else None)
+    _hand(site, out, second if pair else None)
+
+
+def _hand(site: int, out: torch.Tensor, second: torch.Tensor | None) -> None:
+    """Hand the tap's value on; where a graph broken at the taps is being captured,
+    end the graph here so the hand-off runs as Python at every replay (``broken.py``)."""
+    capture = broken.capturing()
+    if capture is None:
+        _at_the_tap(site, out, second)
+    else:
+        capture.pause(_at_the_tap, site, out, second)
 
 
 def launch(

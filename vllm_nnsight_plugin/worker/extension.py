@@ -68,7 +68,11 @@ def _on_layout(runner: Any) -> None:
         runtime_of(runner).fill_taps()
 
 
-patch_model_runners(StepHooks(_on_step, _on_step_failed, _on_loaded, _on_layout))
+def _on_replay(runner: Any) -> None:
+    runtime_of(runner).forward_replayed()
+
+
+patch_model_runners(StepHooks(_on_step, _on_step_failed, _on_loaded, _on_layout, _on_replay))
 # Read the local key now, as the worker starts: a later change to this process's
 # environment (vLLM's development RPC route can make one) cannot forge it.
 local_key()

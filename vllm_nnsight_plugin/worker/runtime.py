@@ -182,10 +182,14 @@ class WorkerRuntime:
         if python or at_taps:
             self.step.started = time.perf_counter()
         # Where the compiled graph is split at the taps, a step at the taps replays
-        # the graphs of the pieces between them; elsewhere it runs without graphs.
+        # the graphs of the pieces between them; where the graphs of the whole
+        # forward were also captured broken at the taps, a decode step replays
+        # those (a batch with none runs without graphs); elsewhere it runs without graphs.
         pieces = at_taps and self.tables is not None and self.tables.split
-        self.adapter.ask_eager(self.runner, python or (at_taps and not pieces))
+        broken = at_taps and self.tables is not None and self.tables.broken
+        self.adapter.ask_eager(self.runner, python or (at_taps and not pieces and not broken))
         self.adapter.ask_pieces(self.runner, pieces)
+        self.adapter.ask_broken(self.runner, broken)
 
     def _admit(self, scheduler_output: Any) -> None:
         """Open the envelopes of this step's new requests and give them their copies of
@@ -353,6 +357,7 @@ class WorkerRuntime:
             step.python = step.at_taps = False
             self.adapter.ask_eager(self.runner, False)
             self.adapter.ask_pieces(self.runner, False)
+            self.adapter.ask_broken(self.runner, False)
 
     def _on_forward(self, module: Any, args: Any) -> None:
         step = self.step
@@ -366,10 +371,16 @@ class WorkerRuntime:
         if step.phase is Phase.SCHEDULED and step.forward:
             self._start(step)
 
+    def forward_replayed(self) -> None:
+        """The forward replays graphs broken at the taps (``taps/broken.py``): no root
+        module hook runs, so the step's blocks are readied here, as that hook does."""
+        self._on_forward(None, ())
+
     def _start(self, step: Step, in_forward: bool = True) -> None:
         """Read the layout and open the interleaver for this step.
 
-        Called by the root forward pre-hook, or by the sampler pre-hook when the
+        Called by the root forward pre-hook (or, before graphs broken at the taps
+        replay, :meth:`forward_replayed`), or by the sampler pre-hook when the
         forward ran as a replayed CUDA graph (no Python, so no root hook).
         """
         requests = self.requests
