@@ -1334,6 +1334,8 @@ def at_taps_jobs(model, llm, name: str, repeats: int, few: list, params) -> None
     carried between two taps)."""
     (before,) = llm.collective_rpc("nnsight_stats")
     halve_if_large(model, few[:4], 8)  # warm-up
+    # the all-plain batch each job is set beside, on this engine (before and after them)
+    rate(name, "at_taps_plain", repeats, lambda batch: llm.generate(batch, params, use_tqdm=False))
     # The same edit at the taps (between piece graphs) and lowered (in the graphs):
     # the same compiled kernels, so the same greedy tokens.
     checked = unique(8)
@@ -1374,6 +1376,7 @@ def at_taps_jobs(model, llm, name: str, repeats: int, few: list, params) -> None
     rate(name, "at_taps_all", repeats, lambda batch: halve_if_large(model, batch, TOKENS))
     carry_between_taps(model, few[:4], 8)  # warm-up
     rate(name, "at_taps_carry", repeats, lambda batch: carry_between_taps(model, batch, TOKENS))
+    rate(name, "at_taps_plain", repeats, lambda batch: llm.generate(batch, params, use_tqdm=False))
     (after,) = llm.collective_rpc("nnsight_stats")
     result(
         engine=name,
