@@ -274,39 +274,47 @@ def at_the_taps_against_lowered_and_python(tapped, mode: str, steps: int) -> Non
     assert out.outputs[0].token_ids[0] == want.outputs[0].token_ids[0]
 
 
-def staggered(model, lowered: bool):
+def staggered(model, how: str):
     """Each prompt keeps layer 20's every row for as many tokens as its place:
     the requests finish at different steps while the others go on, so each
-    collect comes with a step on the device (async scheduling). ``lowered``
-    False: the same keep beside a read that is no tap, as Python."""
+    collect comes with a step on the device (async scheduling). ``how``:
+    ``lowered``; ``python``, the same keep behind a Python ``if``, so it runs as
+    Python on the values of the same compiled kernels."""
     with model.trace(temperature=0.0) as tracer:
         for i, prompt in enumerate(PROMPTS[:6]):
             with tracer.invoke(prompt, max_tokens=2 + 3 * i):
                 rows = list().save()
-                if not lowered:
-                    model.model.embed_tokens.output.clone()
-                for _ in tracer.iter[: 2 + 3 * i]:
-                    rows.append(model.model.layers[20].output[0].clone())
+                if how == "lowered":
+                    for _ in tracer.iter[: 2 + 3 * i]:
+                        rows.append(model.model.layers[20].output[0].clone())
+                else:
+                    for _ in tracer.iter[: 2 + 3 * i]:
+                        hidden = model.model.layers[20].output[0]
+                        if hidden.norm() > 0:
+                            rows.append(hidden.clone())
     return rows  # each invoke's list, in order
 
 
 def test_a_collect_beside_the_step_in_flight_reads_what_the_requests_kept(tapped):
     """A request's saves, collected while the engine has its next step on the
     device, are the rows its own steps kept: read beside that step (no wait for
-    the device, ``worker/ready.py``), as the same block run as Python has them."""
+    the device, ``worker/ready.py``), as the same block run as Python has them
+    (bit for bit on a CPU engine). (Against the whole forward as Python, eager bf16 kernels, a
+    near-tie drew another token a few steps in for one of the six prompts, after
+    which the rows are another sequence's.)"""
     model = VLLM(tapped)
     before = stats(tapped)
-    got = staggered(model, lowered=True)
+    got = staggered(model, "lowered")
     after = stats(tapped)
     assert after["lowered"] - before["lowered"] == 6 and after["tracked"] == 0
     assert after["collects_beside_step"] > before["collects_beside_step"]
-    want = staggered(model, lowered=False)
+    want = staggered(model, "python")
+    # (a block whose reads are taps runs as Python on what the taps kept, at the sampler)
+    assert stats(tapped)["taps_served_at_sampler"] - after["taps_served_at_sampler"] >= 6
     for i, (rows, wanted) in enumerate(zip(got, want)):
         assert len(rows) == len(wanted) == 2 + 3 * i
         assert [t.shape for t in rows] == [t.shape for t in wanted]
-        # (the Python forward's eager bf16 kernels, 20 layers and up to 17 steps in:
-        # 0.9932 on an H100 where the compiled graph is whole at the taps)
-        assert min(cosine(a, b) for a, b in zip(rows, wanted)) >= 0.99
+        assert min(cosine(a, b) for a, b in zip(rows, wanted)) >= 0.999
 
 
 def test_a_block_at_the_taps_that_changes_nothing_leaves_every_request_as_in_a_plain_batch(tapped):
