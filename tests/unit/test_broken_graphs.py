@@ -199,3 +199,41 @@ def test_one_broken_graph_is_captured_at_a_time():
             pass
     finally:
         broken._CAPTURING[0] = None
+
+
+def test_a_broken_capture_that_fails_leaves_vllms_own_capture_and_no_broken_graph(caplog):
+    tried: list = []
+
+    class Failing:
+        def __init__(self, pool, weak):
+            pass
+
+        def __enter__(self):
+            tried.append("capture")
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+        def __exit__(self, *exc):
+            return False
+
+    captured: list = []
+
+    def create_forward_fn(desc, warmup):
+        return (lambda mode: captured.append((desc.num_tokens, mode.name)), None)
+
+    def capture(self, create_forward_fn):
+        for desc in (Desc(FULL, 64), Desc(FULL, 8)):
+            create_forward_fn(desc, warmup=True)[0](NONE)
+            create_forward_fn(desc, warmup=False)[0](FULL)
+
+    manager = SimpleNamespace(pool=None)
+    runner = SimpleNamespace(cudagraph_manager=manager)
+    runner.__dict__[BREAKS] = Failing
+    runner_v2._CAPTURING.append(runner)
+    try:
+        runner_v2._capturing_graphs(capture)(manager, create_forward_fn)
+    finally:
+        runner_v2._CAPTURING.pop()
+    assert tried == ["capture"]  # not tried again for the next size
+    assert captured == [(64, "NONE"), (64, "FULL"), (8, "NONE"), (8, "FULL")]
+    assert manager.__dict__[runner_v2.BROKEN] == {}
+    assert "broken at the taps failed" in caplog.text

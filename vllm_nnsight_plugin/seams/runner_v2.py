@@ -26,11 +26,13 @@ batch dispatched as one that is not a uniform decode).
 
 On a GPU runner that replays one CUDA graph of the whole forward for a decode
 batch (``CudaGraphManager.capture``, ``run_fullgraph``), and whose taps ask for
-it (:func:`break_at_taps`), each of those graphs is captured a second time
-broken at the taps (``taps/broken.py``, handed over by :func:`break_at_taps`), from the same inputs and attention
-metadata in the same buffers (vLLM's ``create_forward_fn(desc, warmup=False)``,
-inside its own capture: its stream, its pool); a step whose blocks run at the
-taps replays that one instead (:meth:`Runner.ask_broken`). Wrapped for it:
+it (:func:`break_at_taps`, which hands over ``taps/broken.BrokenGraph``), each
+of those graphs is captured a second time broken at the taps, from the same
+inputs and attention metadata in the same buffers (vLLM's
+``create_forward_fn(desc, warmup=False)``, inside its own capture: its stream,
+its pool); a step whose blocks run at the taps replays that one instead
+(:meth:`Runner.ask_broken`). A capture that fails leaves vLLM's own graphs
+captured and none broken (a warning says so). Wrapped for it:
 ``GPUModelRunner.capture_model`` (which runner captures), and
 ``CudaGraphManager.capture`` and ``run_fullgraph``.
 """
@@ -56,7 +58,7 @@ from .worker import (
     new_requests,
     present,
 )
-from .wrap import wrap
+from .wrap import logger, wrap
 
 MODULE = "vllm.v1.worker.gpu.model_runner"
 STANDALONE_MODULE = "vllm.v1.worker.cpu.standalone_model_runner"
@@ -266,17 +268,29 @@ def _capturing_graphs(original: Callable) -> Callable:
         from vllm.utils.torch_utils import weak_ref_tensor
 
         broken = self.__dict__.setdefault(BROKEN, {})
+        failed: list[BaseException] = []
 
         def create(desc: Any, warmup: bool) -> Any:
             made = create_forward_fn(desc, warmup=warmup)
-            if warmup or desc.cg_mode.name != "FULL" or desc in broken:
+            if warmup or failed or desc.cg_mode.name != "FULL" or desc in broken:
                 return made
             # vLLM captures from what this returns: capture the broken graph first,
             # on its stream and in its pool, then give vLLM fresh inputs of its own.
             forward = made[0] if isinstance(made, tuple) else made
-            with broken_graph(self.pool, weak_ref_tensor) as graph:
-                forward(type(desc.cg_mode).NONE)
-            broken[desc] = graph
+            try:
+                with broken_graph(self.pool, weak_ref_tensor) as graph:
+                    forward(type(desc.cg_mode).NONE)
+            except Exception as error:  # noqa: BLE001 - vLLM's own capture goes on without them
+                logger.warning(
+                    "vllm-nnsight: capturing the graph of %s broken at the taps failed (%s): "
+                    "steps whose blocks run at the taps run without a graph",
+                    desc,
+                    error,
+                )
+                failed.append(error)
+                broken.clear()
+            else:
+                broken[desc] = graph
             return create_forward_fn(desc, warmup=warmup)
 
         return original(self, create, *args, **kwargs)
