@@ -31,7 +31,8 @@ Engines (MODEL_DIR holds a config and tokenizer; weights are ``load_format="dumm
                   ``collective_rpc``), both profiles packed into one archive
 - ``phases-taps`` the tapped engine in one process, unprofiled, each phase a
                   traced request passes through timed (``phases_cpu.instrument``):
-                  patching, the probe and the capture, each after its plain run
+                  patching, the probe, the capture and blocks at the taps, each
+                  after its plain run (``GPU_BENCH_PHASES_JOBS``: some, by name)
 
 ``GPU_BENCH_NO_IDLE=1`` skips the idle engine's plain runs (the paired jobs
 carry their own); ``GPU_BENCH_ENGINE_S`` (560) stops an engine's process after
@@ -1670,7 +1671,8 @@ def served_profile_engine(path: str, repeats: int, out: Path) -> None:
 
 
 def phases_engine(path: str, repeats: int) -> None:
-    """Where the host time of patching, the probe and the capture goes, unprofiled:
+    """Where the host time of patching, the probe, the capture and blocks at the taps
+    goes, unprofiled (``GPU_BENCH_PHASES_JOBS``: some of them, by name):
     the tapped engine, front end and worker in one process, each phase timed
     (``phases_cpu.instrument``), each job ``repeats`` times after its plain run of
     the same size (``<job>_phases`` rows: the wall time and each phase's
@@ -1699,6 +1701,11 @@ def phases_engine(path: str, repeats: int) -> None:
     if every_layer_tapped():
         jobs["plain64_"] = jobs["plain64"]
         jobs["probe"] = lambda: probe_rows(model, unique(CONCURRENT), TOKENS, layers)
+    # blocks at the taps: one among 63 plain, and 64 (their hand-offs, the steps' starts)
+    jobs["at_taps"] = lambda: halve_if_large(model, unique(CONCURRENT), TOKENS, among_plain=llm)
+    jobs["at_taps_all"] = lambda: halve_if_large(model, unique(CONCURRENT), TOKENS)
+    wanted = [job for job in os.environ.get("GPU_BENCH_PHASES_JOBS", "").split(",") if job]
+    jobs = {job: fn for job, fn in jobs.items() if not wanted or job in wanted}
     for job, fn in jobs.items():
         fn()  # warm-up
         for _ in range(repeats):

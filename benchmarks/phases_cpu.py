@@ -25,7 +25,12 @@ the logits one after another, ``plain1`` twenty plain one-token calls;
 keeping every layer's last row every step (``gpu_bench.probe_rows``; with
 ``--every-layer``, which taps them all, it is lowered); ``capture`` 1,000 x
 ``--tokens`` keeping layer 18's output every step (``gpu_bench.capture``: a
-quarter of them run at a time, the rest wait), ``plain_capture`` the same plain.
+quarter of them run at a time, the rest wait), ``plain_capture`` the same plain;
+``at_taps`` 1 block no table runs (a Python ``if`` at the tap) among 63 plain
+requests x ``--tokens``, ``at_taps_all`` 64 of them (``gpu_bench.halve_if_large``),
+beside ``plain_steer``: on this eager engine their steps run the Python forward;
+``gpu_bench.py``'s ``phases-taps`` engine times the same jobs at the taps of a
+compiled one (the hand-offs, the step's start, the taps closed).
 The scheduler's ``schedule`` is timed per step. The
 worker's per-step phases (the tables' fill, the forward's start, the sampler's
 two calls) are timed too, so a per-step cost shows apart from a per-request one,
@@ -109,7 +114,7 @@ def instrument() -> None:
     from vllm_nnsight_plugin.returns import pool
     from vllm_nnsight_plugin.taps import install
     from vllm_nnsight_plugin.worker import _nnsight as worker_nnsight
-    from vllm_nnsight_plugin.worker import lowering, runtime
+    from vllm_nnsight_plugin.worker import live, lowering, runtime
 
     wrap(client.VLLM, "_attach_mediators", "seal (client)")
     wrap(client_nnsight, "_pickle_key", "seal: pickle keys")
@@ -121,6 +126,10 @@ def instrument() -> None:
     wrap(runtime.WorkerRuntime, "begin_step", "steps: begin (worker)")
     wrap(runtime.WorkerRuntime, "_on_forward", "steps: forward's start (worker)")
     wrap(install.TapTables, "fill", "steps: tables filled")
+    wrap(runtime.WorkerRuntime, "_start", "steps: forward's start: interleaver opened")
+    wrap(runtime.WorkerRuntime, "_open_taps", "steps: forward's start: taps opened")
+    wrap(live.AtTaps, "__call__", "steps: hand-offs at the taps")
+    wrap(runtime.WorkerRuntime, "_close_taps", "steps: taps closed")
     wrap(runtime.WorkerRuntime, "_on_logits", "steps: logits (worker)")
     wrap(runtime.WorkerRuntime, "_on_samples", "steps: samples (worker)")
     wrap(runtime, "admit", "steps: admission (worker)")
@@ -200,6 +209,8 @@ def main() -> None:
             use_tqdm=False,
         ),
         "steer_docs": lambda: blocks.steer_as_the_docs_write_it(model, ids(64), args.tokens, vector),
+        "at_taps": lambda: blocks.halve_if_large(model, ids(64), args.tokens, among_plain=llm),
+        "at_taps_all": lambda: blocks.halve_if_large(model, ids(64), args.tokens),
     }
     for name in args.jobs.split(","):
         jobs[name]()  # warm-up (the worker builds its tree on the first block)
