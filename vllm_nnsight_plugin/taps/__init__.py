@@ -16,6 +16,8 @@ it would on an engine without taps.
 
 - ``spec.py``: tap patterns, and what they resolve to on a module tree;
 - ``ops.py``: the operation (``torch.ops.vllm_nnsight.steer``);
+- ``broken.py``: a CUDA graph of the whole forward broken at the taps, for steps
+  whose blocks run as Python there;
 - ``install.py``: the worker's side: the operation put on each tapped module, the
   tables, and their per-step fill;
 - ``forms.py``: the shapes of block the tables run, read from a block's source;

@@ -74,6 +74,11 @@ operation unless ``VLLM_NNSIGHT_TAP_KERNEL=0``; other engines call ``steer``
 and ``keep`` themselves unless it is ``1`` (``spec.kernel_chosen``: the choice
 travels in the config the compile cache is keyed by).
 
+While a graph of the whole forward is captured broken at the taps
+(``broken.py``), each ``tap`` operation ends the graph being captured after its
+kernel, and its hand-off to blocks at the taps (:func:`at_taps`) runs between
+that graph and the next at every replay.
+
 All are operations of a ``torch.library.Library`` with fake implementations, so
 torch.compile keeps each whole (one opaque call in the graph) and a CUDA graph
 records their kernels, which read the tables' current contents at every replay.
