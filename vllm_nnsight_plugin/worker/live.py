@@ -3,10 +3,12 @@
 A block the tables cannot run, but whose every location is a tap (what
 ``taps/replay.py`` serves: a tap's output, what a module is handed, logits and
 samples), need not take its step's forward off the compiled path. Such a step
-runs vLLM's compiled code without a CUDA graph (a replayed graph runs no Python),
-or, where the graph is split at the taps (``VLLM_NNSIGHT_SPLIT_AT_TAPS``), as the
-graphs of the pieces between them, padded to a captured batch size; and each
-tap's operation hands its value here (``taps/ops.py``, ``at_taps``):
+replays, for a decode batch on a GPU engine, the graph of the whole forward
+captured broken at the taps (``taps/broken.py``); where the graph is split at the
+taps (``VLLM_NNSIGHT_SPLIT_AT_TAPS``), the graphs of the pieces between them; both
+padded to a captured batch size. Otherwise it runs vLLM's compiled code without a
+CUDA graph (a replayed graph runs no Python). In each, every tap's operation
+hands its value here (``taps/ops.py``, ``at_taps``):
 the interleaver runs the blocks parked at that location on their rows, and the
 forward goes on with what they left. An in-place edit changes the operation's
 own output (or the residual it declares it mutates): the blocks are handed
