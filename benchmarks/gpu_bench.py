@@ -1671,13 +1671,13 @@ def served_profile_engine(path: str, repeats: int, out: Path) -> None:
 
 
 def phases_engine(path: str, repeats: int) -> None:
-    """Where the host time of patching, the probe, the capture and blocks at the taps
-    goes, unprofiled (``GPU_BENCH_PHASES_JOBS``: some of them, by name):
+    """Where the host time of patching, the probe, the capture, blocks at the taps
+    and the last-row sweeps goes, unprofiled (``GPU_BENCH_PHASES_JOBS``: some of them, by name):
     the tapped engine, front end and worker in one process, each phase timed
     (``phases_cpu.instrument``), each job ``repeats`` times after its plain run of
     the same size (``<job>_phases`` rows: the wall time and each phase's
     milliseconds and calls)."""
-    from vllm import LLM
+    from vllm import LLM, SamplingParams
 
     from vllm_nnsight_plugin import VLLM
 
@@ -1704,6 +1704,13 @@ def phases_engine(path: str, repeats: int) -> None:
     # blocks at the taps: one among 63 plain, and 64 (their hand-offs, the steps' starts)
     jobs["at_taps"] = lambda: halve_if_large(model, unique(CONCURRENT), TOKENS, among_plain=llm)
     jobs["at_taps_all"] = lambda: halve_if_large(model, unique(CONCURRENT), TOKENS)
+    # last-row sweeps of 1,024 prompts, one token each: unique, and behind one prefix
+    one = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+    runs = itertools.count(900)
+    jobs["unique_plain"] = lambda: llm.generate(unique(SWEEP), one, use_tqdm=False)
+    jobs["unique_sweep"] = lambda: sweep(model, unique(SWEEP))
+    jobs["prefix_plain"] = lambda: llm.generate(shared_prefix(SWEEP, next(runs)), one, use_tqdm=False)
+    jobs["prefix_sweep"] = lambda: sweep(model, shared_prefix(SWEEP, next(runs)))
     wanted = [job for job in os.environ.get("GPU_BENCH_PHASES_JOBS", "").split(",") if job]
     jobs = {job: fn for job, fn in jobs.items() if not wanted or job in wanted}
     for job, fn in jobs.items():
