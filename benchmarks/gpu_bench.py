@@ -33,6 +33,9 @@ Engines (MODEL_DIR holds a config and tokenizer; weights are ``load_format="dumm
                   traced request passes through timed (``phases_cpu.instrument``):
                   patching, the probe, the capture and blocks at the taps, each
                   after its plain run (``GPU_BENCH_PHASES_JOBS``: some, by name)
+- ``phases-served`` the same jobs with the engine core in a process of its own,
+                  as ``vllm.LLM`` runs it: the front end's phases, and where it
+                  waits for the engine's outputs and for a collect's reply
 
 ``GPU_BENCH_NO_IDLE=1`` skips the idle engine's plain runs (the paired jobs
 carry their own); ``GPU_BENCH_ENGINE_S`` (560) stops an engine's process after
@@ -1670,7 +1673,7 @@ def served_profile_engine(path: str, repeats: int, out: Path) -> None:
     shutil.rmtree(kept)
 
 
-def phases_engine(path: str, repeats: int) -> None:
+def phases_engine(path: str, repeats: int, name: str = "phases-taps") -> None:
     """Where the host time of patching, the probe, the capture, blocks at the taps
     and the last-row sweeps goes, unprofiled (``GPU_BENCH_PHASES_JOBS``: some of them, by name):
     the tapped engine, front end and worker in one process, each phase timed
@@ -1719,7 +1722,7 @@ def phases_engine(path: str, repeats: int) -> None:
             phases_cpu.SPENT.clear()
             wall = timed(fn)
             spent = {label: [round(1000 * s, 1), n] for label, (s, n) in phases_cpu.SPENT.items()}
-            result(engine="phases-taps", job=f"{job}_phases", ms=round(1000 * wall, 1), phases=spent)
+            result(engine=name, job=f"{job}_phases", ms=round(1000 * wall, 1), phases=spent)
 
 
 def hf_engine(path: str) -> None:
@@ -1767,6 +1770,8 @@ def run(out: Path, path: str, engines: list[str], repeats: int) -> None:
         env = dict(os.environ)
         if name == "profile-served":  # the worker's profiler travels as a function
             env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        elif name == "phases-served":  # the front end's phases, as ``vllm.LLM`` serves
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         elif name.startswith(("profile", "phases")):
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -1857,8 +1862,8 @@ if __name__ == "__main__":
             nnsight_engine(path)
         elif name in ("profile", "profile-graphs", "profile-taps"):
             profile_engine(path, graphs=name != "profile", taps=name == "profile-taps")
-        elif name == "phases-taps":
-            phases_engine(path, repeats)
+        elif name in ("phases-taps", "phases-served"):
+            phases_engine(path, repeats, name)
         elif name == "profile-served":
             served_profile_engine(path, repeats, Path(os.environ.get("GPU_BENCH_OUT", ".")))
         elif name == "hf":

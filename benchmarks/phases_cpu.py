@@ -106,7 +106,7 @@ def instrument() -> None:
     if _gc_timer not in gc.callbacks:
         gc.callbacks.append(_gc_timer)
     from vllm.v1.core.sched import scheduler
-    from vllm.v1.engine import input_processor, llm_engine
+    from vllm.v1.engine import core_client, input_processor, llm_engine
 
     from vllm_nnsight_plugin import front
     from vllm_nnsight_plugin.client import _nnsight as client_nnsight
@@ -141,6 +141,10 @@ def instrument() -> None:
     wrap(runtime, "pack", "collect: packing")  # (one request at a time, before pack_all)
     wrap(runtime, "pool_part", "collect: pool")
     wrap(front, "attach_collected", "attach (front end)")
+    # With the engine core in a process of its own (``gpu_bench``'s ``phases-served``),
+    # where the front end waits: for the engine's outputs, and for a collect's reply.
+    wrap(core_client.SyncMPClient, "get_output", "outputs awaited (front end)")
+    wrap(llm_engine.LLMEngine, "collective_rpc", "collect's reply awaited (front end)")
     wrap(pool.Resolver, "__init__", "attach: own copies")
     collect = client.VLLM._collect  # a static method: wrapped as one
     client.VLLM._collect = staticmethod(_timer(collect, "saves home (client)"))
