@@ -34,8 +34,9 @@ Engines (MODEL_DIR holds a config and tokenizer; weights are ``load_format="dumm
                   patching, the probe, the capture and blocks at the taps, each
                   after its plain run (``GPU_BENCH_PHASES_JOBS``: some, by name)
 - ``phases-served`` the same jobs with the engine core in a process of its own,
-                  as ``vllm.LLM`` runs it: the front end's phases, and where it
-                  waits for the engine's outputs and for a collect's reply
+                  as ``vllm.LLM`` runs it: the front end's phases, where it waits
+                  for the engine's outputs and for a collect's reply, the engine
+                  core's phases (through ``collective_rpc``), and both timelines
 
 ``GPU_BENCH_NO_IDLE=1`` skips the idle engine's plain runs (the paired jobs
 carry their own); ``GPU_BENCH_ENGINE_S`` (560) stops an engine's process after
@@ -1716,13 +1717,55 @@ def phases_engine(path: str, repeats: int, name: str = "phases-taps") -> None:
     jobs["prefix_sweep"] = lambda: sweep(model, shared_prefix(SWEEP, next(runs)))
     wanted = [job for job in os.environ.get("GPU_BENCH_PHASES_JOBS", "").split(",") if job]
     jobs = {job: fn for job, fn in jobs.items() if not wanted or job in wanted}
+    served = name == "phases-served"  # the engine core's own phases, through collective_rpc
+    here = str(Path(__file__).resolve().parent)
+    if served:
+        llm.collective_rpc(_worker_phases, args=(here, "instrument"))
     for job, fn in jobs.items():
         fn()  # warm-up
         for _ in range(repeats):
             phases_cpu.SPENT.clear()
+            phases_cpu.EVENTS = [] if served else None
+            if served:
+                llm.collective_rpc(_worker_phases, args=(here, "begin"))
+            origin = time.perf_counter()
             wall = timed(fn)
             spent = {label: [round(1000 * s, 1), n] for label, (s, n) in phases_cpu.SPENT.items()}
-            result(engine=name, job=f"{job}_phases", ms=round(1000 * wall, 1), phases=spent)
+            extra = {}
+            if served:
+                (worker,) = llm.collective_rpc(_worker_phases, args=(here, "take"))
+                extra = {
+                    "worker_phases": {k: [round(1000 * s, 1), n] for k, (s, n) in worker[0].items()},
+                    "timeline": phases_cpu.timeline(phases_cpu.EVENTS, origin),
+                    "worker_timeline": phases_cpu.timeline(worker[1], origin),
+                }
+            result(engine=name, job=f"{job}_phases", ms=round(1000 * wall, 1), phases=spent, **extra)
+
+
+def _worker_phases(_worker: object, here: str, what: str) -> object:
+    """In the engine core's process (``collective_rpc``): ``instrument`` its
+    phases, ``begin`` a job's, ``take`` them (the sums, and each call's span)."""
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import phases_cpu
+
+    if what == "instrument":
+        phases_cpu.instrument()
+        from vllm.v1.engine import core
+        from vllm.v1.worker import gpu_worker
+
+        phases_cpu.wrap(gpu_worker.Worker, "execute_model", "worker: execute_model")
+        phases_cpu.wrap(gpu_worker.Worker, "sample_tokens", "worker: sample_tokens")
+        phases_cpu.wrap(core.EngineCore, "step_with_batch_queue", "engine core: step (batch queue)")
+        phases_cpu.wrap(core.EngineCore, "step", "engine core: step")
+        return None
+    if what == "begin":
+        phases_cpu.SPENT.clear()
+        phases_cpu.EVENTS = []
+        return None
+    spent, events = dict(phases_cpu.SPENT), phases_cpu.EVENTS or []
+    phases_cpu.EVENTS = None
+    return spent, events
 
 
 def hf_engine(path: str) -> None:
@@ -1773,6 +1816,7 @@ def run(out: Path, path: str, engines: list[str], repeats: int) -> None:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         elif name == "phases-served":  # the front end's phases, as ``vllm.LLM`` serves
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+            env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the engine core's timers
         elif name.startswith(("profile", "phases")):
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         elif name == "hotwire":  # its wheel, unpacked for this process only

@@ -58,6 +58,10 @@ SPENT: dict[str, list[float]] = {}
 #: The phases running now, innermost last (where a collection lands).
 _ACTIVE: list[str] = []
 
+#: When a list: each timed call's (label, start, end), ``time.perf_counter`` seconds
+#: (one clock for every process of the machine), for a timeline across processes.
+EVENTS: list[tuple[str, float, float]] | None = None
+
 
 def _timer(original: Any, label: str) -> Any:
     @functools.wraps(original)
@@ -68,9 +72,12 @@ def _timer(original: Any, label: str) -> Any:
             return original(*args, **kwargs)
         finally:
             _ACTIVE.pop()
+            ended = time.perf_counter()
             seen = SPENT.setdefault(label, [0.0, 0])
-            seen[0] += time.perf_counter() - started
+            seen[0] += ended - started
             seen[1] += 1
+            if EVENTS is not None:
+                EVENTS.append((label, started, ended))
 
     return timed
 
@@ -98,6 +105,25 @@ def _gc_timer(phase: str, info: dict) -> None:
             seen = SPENT.setdefault(label, [0.0, 0])
             seen[0] += spent
             seen[1] += 1
+
+
+def timeline(events: list[tuple[str, float, float]], origin: float, many: int = 40) -> dict[str, Any]:
+    """Per label, each call's start and length in ms after ``origin``; a label of
+    more than ``many`` calls gives its count, first start and last end instead."""
+    by_label: dict[str, list[tuple[float, float]]] = {}
+    for label, start, end in events:
+        by_label.setdefault(label, []).append((start, end))
+    found: dict[str, Any] = {}
+    for label, spans in by_label.items():
+        if len(spans) > many:
+            found[label] = {
+                "calls": len(spans),
+                "first": round(1000 * (spans[0][0] - origin), 1),
+                "last_end": round(1000 * (spans[-1][1] - origin), 1),
+            }
+        else:
+            found[label] = [[round(1000 * (a - origin), 1), round(1000 * (b - a), 1)] for a, b in spans]
+    return found
 
 
 def instrument() -> None:
