@@ -159,6 +159,7 @@ KEPT_BYTES = "VLLM_NNSIGHT_KEPT_BYTES"
 SHARED_SAVES_BYTES = "VLLM_NNSIGHT_SHARED_SAVES_BYTES"
 LEND_SAVES = "VLLM_NNSIGHT_LEND_SAVES"
 COLLECT_BESIDE = "VLLM_NNSIGHT_COLLECT_BESIDE"
+FREEZE_HEAP = "VLLM_NNSIGHT_FREEZE_HEAP"
 TRUST_SERVER = "VLLM_NNSIGHT_TRUST_SERVER"
 CACHE = "VLLM_NNSIGHT_CACHE"
 SMOLLM2_GGUF = "VLLM_NNSIGHT_SMOLLM2_GGUF"
@@ -293,6 +294,15 @@ SETTINGS: tuple[Setting, ...] = (
         "`0` captures no second set of a GPU engine's graphs of the whole forward broken at the taps: "
         "a decode step whose blocks run at the taps then runs compiled without CUDA graphs (unset: "
         "captured where vLLM's V2 runner captures full graphs and the taps run the kernel)",
+    ),
+    Setting(
+        FREEZE_HEAP,
+        _flag,
+        True,
+        "flag",
+        "`0` leaves Python's collector walking the whole heap of a process while it traces on a "
+        "local engine (unset: what was alive before the trace is frozen out of its walks, "
+        "`gc.freeze()`, until the call ends, unless something in the process froze some already)",
     ),
     Setting(
         KEPT_BYTES,

@@ -59,6 +59,7 @@ from ..wire.tree import TREE_VERSION, TreeError, load_tokenizer, rebuild
 from ..wire.trust import VOUCHED_KEY, Vouched, operator_key
 from ._nnsight import Envoy, InterleavingTracer, block_of, one_pickle_per_block, reattach_caches, reduce_once
 from .edits import Edits, command
+from .heap import frozen
 from .remote import TREE_ROUTE, Server
 from .served import SERVER_KEY, key_spelling, served_xargs
 from .standalone import SamplingParams as _StandInParams
@@ -311,15 +312,16 @@ class VLLM(Edits, _NNsightVLLM):
     ) -> Any:
         """Run the engine; the plugin puts each request's saves on its output. A
         trace of several requests shows vLLM's progress bar unless ``use_tqdm=False``."""
-        mediators = self._attach_mediators(params, **kwargs)
-        built_for_one_request(params)  # made by this trace's invokes, one each (``_batch``)
-        outputs = self.vllm_entrypoint.generate(
-            prompts,
-            sampling_params=params,
-            lora_request=lora_requests,
-            use_tqdm=len(prompts) > 1 if use_tqdm is None else use_tqdm,
-        )
-        self._collect(mediators, self._with_trees(outputs))
+        with frozen():  # a full collection walks only what this call makes (``heap.py``)
+            mediators = self._attach_mediators(params, **kwargs)
+            built_for_one_request(params)  # made by this trace's invokes, one each (``_batch``)
+            outputs = self.vllm_entrypoint.generate(
+                prompts,
+                sampling_params=params,
+                lora_request=lora_requests,
+                use_tqdm=len(prompts) > 1 if use_tqdm is None else use_tqdm,
+            )
+            self._collect(mediators, self._with_trees(outputs))
         return outputs
 
     def _with_trees(self, outputs: list) -> list:
