@@ -1,6 +1,6 @@
 """Where a traced request's host time goes, unprofiled: each phase's wall time, on this CPU.
 
-    python benchmarks/phases_cpu.py [--jobs sweep,plain_sweep,steer] [--rounds 3]
+    python benchmarks/phases_cpu.py [--jobs sweep,plain_sweep,steer] [--rounds 3] [--layers 36] [--served]
 
 ``profile_cpu.py`` splits a traced call under cProfile, which multiplies the
 cost of small Python functions several times over (a steering trace's seal reads
@@ -13,10 +13,24 @@ the packing of replies, the pool), the front end's attach, and the engine's
 steps, which hold all of the worker's. Per job and round it prints each phase's
 milliseconds and calls. Engine, front end and worker share one process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), as in ``profile_cpu.py``; the model is its
-random 36-layer Qwen3 (hidden size 128), layer 18 tapped.
+random Qwen3 of ``--layers`` layers (36; hidden size 128), its middle layer tapped
+(18: the layer the jobs below name).
+
+With ``--served`` the engine core runs in a process of its own, as ``vllm.LLM``
+runs it by default: its phases come back through ``collective_rpc``
+(``gpu_bench._worker_phases``), and each job prints both processes' timelines
+on one clock (each call's start and length; where the front end waits for
+outputs and for a collect's reply). With ``--layers 2`` the model computes
+almost nothing, so a job's time is its host work, as on a GPU whose steps are
+short: there the last-row sweeps read about 1.4x their plain runs, as on an
+H100. Jobs run in turn each round, after every job's warm-up, with both
+processes' heaps then frozen (as vLLM's GPU worker and ``gpu_bench`` do); the
+last lines give each traced job's median against its plain one's.
 
 Jobs: ``sweep`` 1,024 prompts x 1 token in one trace, each keeping layer 18's
 last row (``gpu_bench.sweep``); ``plain_sweep`` the same prompts plain;
+``prefix`` and ``plain_prefix`` the same behind one fresh 512-token prefix, 16
+tokens each after it (``gpu_bench.shared_prefix``);
 ``steer`` 64 x ``--tokens`` (4) with the seeds' loop, ``steer_docs`` the docs'
 loop, ``plain_steer`` the same plain; ``trace1`` twenty one-token traces saving
 the logits one after another, ``plain1`` twenty plain one-token calls;
@@ -44,6 +58,7 @@ import argparse
 import functools
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -176,13 +191,38 @@ def instrument() -> None:
     client.VLLM._collect = staticmethod(_timer(collect, "saves home (client)"))
 
 
+def _freeze(_worker: Any = None) -> None:
+    """What a process holds now, out of the collector's walks (``gc.freeze``), as
+    vLLM's GPU worker and ``gpu_bench``'s engines do: a full collection of an
+    unfrozen heap (0.35 s here) would land on whichever job ran into it."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", default="sweep,plain_sweep,steer,steer_docs")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=4, help="tokens a steering job draws")
     parser.add_argument("--every-layer", action="store_true", help="tap every decoder layer, not layer 18")
+    parser.add_argument(
+        "--layers", type=int, default=36, help="the random Qwen3's layers (the middle one tapped)"
+    )
+    parser.add_argument(
+        "--served",
+        action="store_true",
+        help="the engine core in a process of its own, as vllm.LLM runs it: its phases come through "
+        "collective_rpc, and each job's timeline of both processes is printed",
+    )
     args = parser.parse_args()
+    here = Path(__file__).resolve().parent
+    if args.served:  # (before vLLM is imported)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        # the engine core's timers travel as functions of this folder's modules
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (str(here), os.environ.get("PYTHONPATH"))))
 
     import torch
     from vllm import SamplingParams
@@ -190,14 +230,14 @@ def main() -> None:
 
     from vllm_nnsight_plugin import VLLM
 
-    here = Path(__file__).resolve().parent
     sys.path.insert(0, str(here))
     import gpu_bench as blocks
     from profile_cpu import engine, fresh_ids
 
-    llm = engine(36, ["layers"] if args.every_layer else ["model.layers.18.output"])
+    middle = args.layers // 2
+    llm = engine(args.layers, ["layers"] if args.every_layer else [f"model.layers.{middle}.output"])
     model = VLLM(llm)
-    blocks.LAYER = 18
+    blocks.LAYER = middle
     blocks.PROMPT_LEN = len(fresh_ids(1, 0)[0])  # the positions patching picks from
     instrument()
     torch.manual_seed(0)
@@ -214,8 +254,15 @@ def main() -> None:
             clean.append(blocks.clean_rows(model, ids(1)[0]))
         blocks.patch(model, ids(64), args.tokens, clean[0])
 
+    def shared(n: int) -> list[list[int]]:  # one fresh 512-token prefix, 16 tokens each after it
+        return [[t % 400 + 2 for t in p] for p in blocks.shared_prefix(n, 700 + next(runs))]
+
     one = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
     jobs = {
+        "prefix": lambda: blocks.sweep(model, shared(1024)),
+        "plain_prefix": lambda: llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in shared(1024)], one, use_tqdm=False
+        ),
         "sweep": lambda: blocks.sweep(model, ids(1024)),
         "plain_sweep": lambda: llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in ids(1024)], one, use_tqdm=False
@@ -231,7 +278,7 @@ def main() -> None:
         "trace1": lambda: [blocks.trace1(model, ids(1)[0]) for _ in range(20)],
         "steer": lambda: blocks.steer(model, ids(64), args.tokens, vector),
         "patch": patch,
-        "probe": lambda: blocks.probe_rows(model, ids(64), args.tokens, 36),
+        "probe": lambda: blocks.probe_rows(model, ids(64), args.tokens, args.layers),
         "capture": lambda: blocks.capture(model, ids(1000), args.tokens),
         "plain_capture": lambda: llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in ids(1000)],
@@ -242,18 +289,39 @@ def main() -> None:
         "at_taps": lambda: blocks.halve_if_large(model, ids(64), args.tokens, among_plain=llm),
         "at_taps_all": lambda: blocks.halve_if_large(model, ids(64), args.tokens),
     }
-    for name in args.jobs.split(","):
+    names = args.jobs.split(",")
+    for name in names:
         jobs[name]()  # warm-up (the worker builds its tree on the first block)
-        for _ in range(args.rounds):
+    _freeze()
+    if args.served:
+        llm.collective_rpc(_freeze)
+        llm.collective_rpc(blocks._worker_phases, args=(str(here), "instrument"))
+    walls: dict[str, list[float]] = {}
+    global EVENTS
+    for _ in range(args.rounds):  # the jobs in turn, so that a drift of the machine falls on all
+        for name in names:
             SPENT.clear()
+            EVENTS = [] if args.served else None
+            if args.served:
+                llm.collective_rpc(blocks._worker_phases, args=(str(here), "begin"))
             started = time.perf_counter()
             jobs[name]()
             wall = time.perf_counter() - started
-            phases = {label: [round(1000 * s, 1), int(n)] for label, (s, n) in SPENT.items()}
-            print(
-                "RESULT " + json.dumps({"job": name, "ms": round(1000 * wall, 1), "phases": phases}),
-                flush=True,
-            )
+            walls.setdefault(name, []).append(wall)
+            found: dict[str, Any] = {"job": name, "ms": round(1000 * wall, 1)}
+            found["phases"] = {label: [round(1000 * s, 1), int(n)] for label, (s, n) in SPENT.items()}
+            if args.served:
+                ((spent, events),) = llm.collective_rpc(blocks._worker_phases, args=(str(here), "take"))
+                found["engine_core"] = {
+                    label: [round(1000 * s, 1), int(n)] for label, (s, n) in spent.items()
+                }
+                found["timeline"] = timeline(EVENTS or [], started)
+                found["engine_core_timeline"] = timeline(events, started)
+            print("RESULT " + json.dumps(found), flush=True)
+    for traced, plain in (("sweep", "plain_sweep"), ("prefix", "plain_prefix"), ("steer", "plain_steer")):
+        if traced in walls and plain in walls:
+            ratio = statistics.median(walls[traced]) / statistics.median(walls[plain])
+            print(f"SUMMARY {traced}: {ratio:.3f}x {plain}'s time (medians of {args.rounds})", flush=True)
 
 
 if __name__ == "__main__":
