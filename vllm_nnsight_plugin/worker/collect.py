@@ -182,6 +182,8 @@ def _only_tensors(entry: dict) -> bool:
         return False
     if not all(poolable(value) for value in saves.values()):
         return False
+    if len(saves) < 2:  # (a lowered read's one save: nothing to share a storage with)
+        return True
     return len({value.untyped_storage().data_ptr() for value in saves.values()}) == len(saves)
 
 

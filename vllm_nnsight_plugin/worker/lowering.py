@@ -15,6 +15,12 @@ from typing import Any
 
 from .. import seams
 from ..returns.stacked import Stacked
+from ..taps.forms import split
+from ..taps.kept import Lowered, picks_a_row
+from ..taps.lower import Unlowered, fits, for_request, lower
+from ..taps.meaning import folded
+from ..taps.ops import KEEP_BOTH
+from ..taps.replay import VIEW, modules_of, replayable
 from .errors import KeptRowsError
 from .paths import AT_SAMPLER, COPIES, NO_ROOM, OUT_OF_RANGE, SEQUENCES, SPECULATIVE, UNSIZED, Paths
 
@@ -78,8 +84,6 @@ class Lowering:
         express; ``rows`` is how many token rows its first step has, ``most`` how
         many it can have (0: unknown); ``digest`` names its block's bytes;
         ``split``: a block may leave statements to Python at the sampler."""
-        from ..taps.lower import Unlowered, for_request, lower
-        from ..taps.meaning import folded
         from . import _nnsight as nns
 
         mediator = request.mediator
@@ -132,8 +136,6 @@ class Lowering:
 
     def lower_known(self, request: Any, tables: Any, digest: bytes, rows: int, most: int) -> bool:
         """:meth:`lower` for a block already lowered once, without loading it."""
-        from ..taps.lower import for_request
-
         block = self.known.get(digest)
         if block is None or not self._may_lower(request):
             return False
@@ -150,8 +152,6 @@ class Lowering:
         first part lowered, the rest left to Python there (``taps.forms.split``).
         Where it has no such split, why it runs as Python: ``why``, or its part on
         the taps' reason."""
-        from ..taps.forms import split
-        from ..taps.lower import Unlowered, lower
         from . import _nnsight as nns
         from .admit import read
 
@@ -188,10 +188,6 @@ class Lowering:
         there (``taps/replay.py``); else ``why`` is recorded. ``sites``: what an
         earlier request with the same block's bytes (``digest``) was found to read;
         ``source``: the block's, its ``if``s decided (``meaning.folded``)."""
-        from ..taps.kept import Lowered
-        from ..taps.lower import Unlowered
-        from ..taps.ops import KEEP_BOTH
-        from ..taps.replay import VIEW, replayable
         from . import _nnsight as nns
 
         mediator = request.mediator
@@ -263,9 +259,6 @@ class Lowering:
     def _add(self, request: Any, tables: Any, block: Any, rows: int, most: int, rest: Any = None) -> bool:
         """Put a request on the tables; ``rest``: the mediator of its statements left
         to Python at the sampler, which replaces its own (None: nothing is left)."""
-        from ..taps.kept import picks_a_row
-        from ..taps.lower import fits
-
         lowered = block.lowered
         why = None
         room = (rows if lowered.single else most) * lowered.stride if lowered.code else 0
@@ -401,7 +394,6 @@ def _overflow(lowered: Any, request_id: str) -> Exception:
 
 def _modules(model: Any) -> Any:
     """The model's module at a path relative to it, or None."""
-    from ..taps.replay import modules_of
     from . import _nnsight as nns
 
     return modules_of(nns.envoy_module(model))
