@@ -57,7 +57,8 @@ def test_a_heap_frozen_by_someone_else_stays_frozen(monkeypatch):
     count = gc.get_freeze_count()
     with frozen():
         pass
-    assert gc.get_freeze_count() == count
+    # still frozen (a thaw empties it; a frozen object freed meanwhile leaves it)
+    assert gc.get_freeze_count() > count // 2
 
 
 def test_off_leaves_the_collector_as_it_is(monkeypatch):
