@@ -1723,6 +1723,7 @@ def phases_engine(path: str, repeats: int, name: str = "phases-taps") -> None:
         llm.collective_rpc(_worker_phases, args=(here, "instrument"))
     for job, fn in jobs.items():
         fn()  # warm-up
+        settle()  # (what the warm-up left, out of the collector's walks)
         for _ in range(repeats):
             phases_cpu.SPENT.clear()
             phases_cpu.EVENTS = [] if served else None

@@ -22,8 +22,9 @@ runs it by default: its phases come back through ``collective_rpc``
 on one clock (each call's start and length; where the front end waits for
 outputs and for a collect's reply). With ``--layers 2`` the model computes
 almost nothing, so a job's time is its host work, as on a GPU whose steps are
-short: there the last-row sweeps read about 1.4x their plain runs, as on an
-H100. Jobs run in turn each round, after every job's warm-up, with both
+short: there the last-row sweeps read 1.3-1.9x their plain runs (1.3-1.6x on an
+H100), though not what this machine's Python 3.11 spares a trace's build that
+the GPU machine's 3.12 does not (``benchmarks/RESULTS.md``). Jobs run in turn each round, after every job's warm-up, with both
 processes' heaps then frozen (as vLLM's GPU worker and ``gpu_bench`` do); the
 last lines give each traced job's median against its plain one's.
 
