@@ -1725,10 +1725,10 @@ def phases_engine(path: str, repeats: int, name: str = "phases-taps") -> None:
         fn()  # warm-up
         settle()  # (what the warm-up left, out of the collector's walks)
         for _ in range(repeats):
+            if served:  # (before the front end's timers start: not a collect's wait)
+                llm.collective_rpc(_worker_phases, args=(here, "begin"))
             phases_cpu.SPENT.clear()
             phases_cpu.EVENTS = [] if served else None
-            if served:
-                llm.collective_rpc(_worker_phases, args=(here, "begin"))
             origin = time.perf_counter()
             wall = timed(fn)
             spent = {label: [round(1000 * s, 1), n] for label, (s, n) in phases_cpu.SPENT.items()}
@@ -1744,8 +1744,12 @@ def phases_engine(path: str, repeats: int, name: str = "phases-taps") -> None:
 
 
 def _worker_phases(_worker: object, here: str, what: str) -> object:
-    """In the engine core's process (``collective_rpc``): ``instrument`` its
-    phases, ``begin`` a job's, ``take`` them (the sums, and each call's span)."""
+    """In the engine core's process (``collective_rpc``): ``settle`` its heap,
+    ``instrument`` its phases, ``begin`` a job's, ``take`` them (the sums, and
+    each call's span)."""
+    if what == "settle":
+        settle()
+        return None
     if here not in sys.path:
         sys.path.insert(0, here)
     import phases_cpu

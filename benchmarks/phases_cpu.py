@@ -192,16 +192,6 @@ def instrument() -> None:
     client.VLLM._collect = staticmethod(_timer(collect, "saves home (client)"))
 
 
-def _freeze(_worker: Any = None) -> None:
-    """What a process holds now, out of the collector's walks (``gc.freeze``), as
-    vLLM's GPU worker and ``gpu_bench``'s engines do: a full collection of an
-    unfrozen heap (0.35 s here) would land on whichever job ran into it."""
-    import gc
-
-    gc.collect()
-    gc.freeze()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", default="sweep,plain_sweep,steer,steer_docs")
@@ -293,18 +283,18 @@ def main() -> None:
     names = args.jobs.split(",")
     for name in names:
         jobs[name]()  # warm-up (the worker builds its tree on the first block)
-    _freeze()
+    blocks.settle()  # (both heaps as vLLM's GPU worker leaves its own: frozen after start-up)
     if args.served:
-        llm.collective_rpc(_freeze)
+        llm.collective_rpc(blocks._worker_phases, args=(str(here), "settle"))
         llm.collective_rpc(blocks._worker_phases, args=(str(here), "instrument"))
     walls: dict[str, list[float]] = {}
     global EVENTS
     for _ in range(args.rounds):  # the jobs in turn, so that a drift of the machine falls on all
         for name in names:
+            if args.served:  # (before the front end's timers start: not a collect's wait)
+                llm.collective_rpc(blocks._worker_phases, args=(str(here), "begin"))
             SPENT.clear()
             EVENTS = [] if args.served else None
-            if args.served:
-                llm.collective_rpc(blocks._worker_phases, args=(str(here), "begin"))
             started = time.perf_counter()
             jobs[name]()
             wall = time.perf_counter() - started
