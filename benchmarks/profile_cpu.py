@@ -203,6 +203,10 @@ def main() -> None:
             lambda: blocks.patch(model, ids(args.batch), 16, clean()),
             lambda: plain(args.batch, 16),
         ),
+        "at_taps": (
+            lambda: blocks.halve_if_large(model, ids(args.batch), 16),
+            lambda: plain(args.batch, 16),
+        ),
         "prefix": (
             lambda: blocks.sweep(model, shared(args.sweep)),
             lambda: plain_shared(args.sweep),

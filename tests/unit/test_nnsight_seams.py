@@ -14,6 +14,7 @@ from nnsight.intervention.serialization import dumps, loads
 from vllm_nnsight_plugin import VLLM
 from vllm_nnsight_plugin.client import _nnsight as client_nns
 from vllm_nnsight_plugin.client import edits as client_edits
+from vllm_nnsight_plugin.client import skip as client_skip
 from vllm_nnsight_plugin.returns import cached
 from vllm_nnsight_plugin.taps import source
 from vllm_nnsight_plugin.versions import SUPPORTED_NNSIGHT
@@ -32,9 +33,23 @@ TOUCHES = (
     + client_nns.TOUCHES
     + client_nns.OVERRIDES
     + client_edits.TOUCHES
+    + client_skip.TOUCHES
     + cached.TOUCHES
     + source.TOUCHES
 )
+
+
+def test_the_skip_is_looked_up_where_the_client_replaces_it():
+    """``client/skip.py`` replaces nnsight's module-level ``skip_context``: a tracer
+    that called it by any other route would keep nnsight's, silently, and hand
+    back a displaced trace function nnsight no longer reads."""
+    import inspect
+
+    from nnsight.tracing.tracer import ExitTracingException, Tracer
+
+    assert "skip_context" in Tracer.__enter__.__code__.co_names
+    assert ExitTracingException(print).displaced is print
+    assert "exc_value.displaced" in inspect.getsource(Tracer.__exit__)
 
 
 @pytest.mark.parametrize("module, path", TOUCHES, ids=[f"{m}:{p}" for m, p in TOUCHES])

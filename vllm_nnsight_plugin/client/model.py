@@ -57,6 +57,7 @@ from ..wire.envelope import EXTRA_ARGS_KEY, seal
 from ..wire.references import envoy_of, envoys_as_references
 from ..wire.tree import TREE_VERSION, TreeError, load_tokenizer, rebuild
 from ..wire.trust import VOUCHED_KEY, Vouched, operator_key
+from . import skip
 from ._nnsight import Envoy, InterleavingTracer, block_of, one_pickle_per_block, reattach_caches, reduce_once
 from .edits import Edits, command
 from .heap import frozen
@@ -221,6 +222,7 @@ class VLLM(Edits, _NNsightVLLM):
         **kwargs: Any,
     ) -> None:
         check_nnsight()
+        skip.install()  # a block's body skipped without re-instrumenting Python (``skip.py``)
         key = key_spelling(key, kwargs)
         self._served: Any = None
         if serve is not None:
