@@ -43,9 +43,9 @@ keeping every layer's last row every step (``gpu_bench.probe_rows``; with
 quarter of them run at a time, the rest wait), ``plain_capture`` the same plain;
 ``at_taps`` 1 block no table runs (a Python ``if`` at the tap) among 63 plain
 requests x ``--tokens``, ``at_taps_all`` 64 of them (``gpu_bench.halve_if_large``),
-beside ``plain_steer``: on this eager engine their steps run the Python forward;
-``gpu_bench.py``'s ``phases-taps`` engine times the same jobs at the taps of a
-compiled one (the hand-offs, the step's start, the taps closed).
+beside ``plain_steer``: on this eager engine their steps run the Python forward,
+with ``--compiled`` the blocks run at the taps and the rest of the step compiled
+(``gpu_bench.py``'s ``phases-taps`` engine times the same on a GPU).
 The scheduler's ``schedule`` is timed per step. The
 worker's per-step phases (the tables' fill, the forward's start, the sampler's
 two calls) are timed too, so a per-step cost shows apart from a per-request one,
@@ -207,6 +207,12 @@ def main() -> None:
         help="the engine core in a process of its own, as vllm.LLM runs it: its phases come through "
         "collective_rpc, and each job's timeline of both processes is printed",
     )
+    parser.add_argument(
+        "--compiled",
+        action="store_true",
+        help="vLLM's compiled forward (enforce_eager=False): a block at the taps runs there, "
+        "the rest of the step compiled",
+    )
     args = parser.parse_args()
     here = Path(__file__).resolve().parent
     if args.served:  # (before vLLM is imported)
@@ -226,7 +232,8 @@ def main() -> None:
     from profile_cpu import engine, fresh_ids
 
     middle = args.layers // 2
-    llm = engine(args.layers, ["layers"] if args.every_layer else [f"model.layers.{middle}.output"])
+    taps = ["layers"] if args.every_layer else [f"model.layers.{middle}.output"]
+    llm = engine(args.layers, taps, eager=not args.compiled)
     model = VLLM(llm)
     blocks.LAYER = middle
     blocks.PROMPT_LEN = len(fresh_ids(1, 0)[0])  # the positions patching picks from

@@ -77,9 +77,10 @@ def fresh_ids(n: int, run: int) -> list[list[int]]:
     return [[2 + run % 400, 2 + run // 400, 2 + i % 400, 2 + i // 400, 5, 6, 7, 8] for i in range(n)]
 
 
-def engine(layers: int, taps: list[str]) -> Any:
+def engine(layers: int, taps: list[str], eager: bool = True) -> Any:
     """The engine the CPU profiles share: the random Qwen3 of ``layers`` layers,
-    float32, eager, 256 requests a step, ``taps`` tapped (none: ``[]``)."""
+    float32, eager (or vLLM's compiled forward: ``eager=False``), 256 requests a
+    step, ``taps`` tapped (none: ``[]``)."""
     from vllm import LLM
 
     folder = Path(tempfile.gettempdir()) / f"vllm-nnsight-profile-qwen3-{layers}"
@@ -87,7 +88,7 @@ def engine(layers: int, taps: list[str]) -> Any:
         build_model(folder, layers),
         dtype="float32",
         max_model_len=1024,
-        enforce_eager=True,
+        enforce_eager=eager,
         gpu_memory_utilization=0.3,
         kv_cache_memory_bytes=1 << 30,
         max_num_seqs=256,

@@ -277,6 +277,15 @@ def test_a_block_on_taps_runs_at_the_taps_and_every_step_stays_compiled(compiled
         torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)
     (stats,) = compiled.collective_rpc("nnsight_stats")
     assert stats["tracked"] == 0
+    # The same block's bytes again: sent to the taps on the first one's verdict,
+    # without the analysis, and computing the same, bit for bit.
+    again_reads, again = steer_if(model, vector)
+    (after,) = compiled.collective_rpc("nnsight_stats")
+    assert after["at_taps_known"] - stats["at_taps_known"] == 1
+    assert again.nnsight_path == out.nnsight_path
+    same_generation([again], [out])
+    for got, first in zip(again_reads, reads, strict=True):
+        assert torch.equal(got, first)
 
 
 def test_a_plain_neighbour_of_a_block_at_the_taps_computes_what_it_computes_alone(compiled):

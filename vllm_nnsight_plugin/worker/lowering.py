@@ -56,11 +56,16 @@ class Lowering:
         #: blocks served at the sampler, by digest: the taps each reads (its
         #: source need not be read again for the next request that carries it)
         self.served: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
+        #: blocks that write and run as Python at the taps, by digest: the taps each
+        #: reads and why the tables cannot run it (found once per block, not per
+        #: request: the analysis costs more than the rest of a request's admission)
+        self.writes_at_taps: OrderedDict[bytes, tuple[tuple[int, ...], str, str]] = OrderedDict()
         #: Blocks are served copies of what they read (``NNSIGHT_VLLM_CLONE_READS``):
         #: an in-place edit is then lost, as nnsight documents, so no steering
         #: block is lowered (the tables would apply it). Set with the worker's tree.
         self.reads_are_copies = False
         self.unloaded = 0  # requests lowered from a known block, never loaded
+        self.taps_known = 0  # requests sent to the taps by a known block's verdict
         self.paths = Paths()
         #: Lowered requests with statements left to Python at the sampler.
         self.mixed: set[str] = set()
@@ -97,6 +102,10 @@ class Lowering:
         if digest is not None and digest in self.served:
             self.served.move_to_end(digest)
             return self._replay(request, tables, model, most, None, digest, self.served[digest])
+        if digest is not None and digest in self.writes_at_taps:
+            self.writes_at_taps.move_to_end(digest)
+            self.taps_known += 1
+            return self._at_taps(request, *self.writes_at_taps[digest])
         source, scope = nns.block_source(mediator), nns.block_scope(mediator)
         source = (folded(source, scope) or source) if source else source  # its ``if``s decided
         block = lower(source, scope, model, nns.InterleavingTracer, tables, seams.model_dtype(self.runner))
@@ -213,6 +222,10 @@ class Lowering:
             return False
         if writes:  # its edits must land in the forward: Python at the taps
             kind, reason = (why.kind, why.reason) if why is not None else _WRITES
+            if digest is not None:
+                self.writes_at_taps[digest] = (sites, kind, reason)
+                while len(self.writes_at_taps) > _KNOWN_LIMIT:
+                    self.writes_at_taps.popitem(last=False)
             return self._at_taps(request, sites, kind, reason)
         lowered = Lowered(sites[0], 0, None, None, code=KEEP_BOTH, replay=True)
         # a whole recompute's rows fit: its prompt and tokens, at its widest tap
@@ -345,6 +358,7 @@ class Lowering:
             "lowered": self.count,
             "lowered_by": dict(self.by_form),
             "lowered_unloaded": self.unloaded,
+            "at_taps_known": self.taps_known,
             **self.paths.stats(),
         }
 
