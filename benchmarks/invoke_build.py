@@ -30,6 +30,7 @@ if __name__ == "__main__":
     parser.add_argument("--layer", type=int, default=18)
     parser.add_argument("--skip", choices=("lines", "nnsight"), default="lines")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--profile", help="a file for cProfile's stats of one more build (not timed)")
     args = parser.parse_args()
 
     import nnsight.tracing.tracer as nnsight_tracer
@@ -73,6 +74,10 @@ if __name__ == "__main__":
     gc.collect()
     gc.freeze()
     rounds = [build() for _ in range(args.rounds)]
+    if args.profile:
+        import cProfile
+
+        cProfile.runctx("build()", globals(), locals(), args.profile)
     total = statistics.median(r[0] for r in rounds)
     invokes = statistics.median(r[1] for r in rounds)
     print(
