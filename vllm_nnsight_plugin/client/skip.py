@@ -5,15 +5,15 @@ must not run: as ``__enter__`` returns, nnsight sets a global trace function so
 Python calls a per-frame hook at the body's first line, and the hook raises. On
 Python 3.12 and later, turning a global trace function on or off re-instruments
 every function the interpreter runs next, once per switch, and nnsight switches
-twice per invoke: a trace of 1,024 invokes on 3.12 took 36 ms to build its invokes
-on a 2-core CPU, against 8 ms on 3.11 (`benchmarks/block_build.py --skip`).
+twice per invoke: a trace of 1,024 invokes on 3.12 took 38.5 ms to build its
+invokes on a 2-core CPU, against 8 ms on 3.11 (``benchmarks/invoke_build.py``).
 
 From 3.12 the interpreter can watch the lines of one function instead
 (``sys.monitoring``'s local events): :func:`install` puts in nnsight's place a
 skip that arms a line event on the code of the frame the block is written in,
 raises nnsight's own ``ExitTracingException`` from it at the body's first line,
 and disarms that code again. Nothing global changes, so nothing is
-re-instrumented: 14.5 ms for the same trace.
+re-instrumented: 14 ms for the same trace.
 
 A debugger's or coverage's trace function stays set throughout (nnsight's own
 skip displaces it for the span of each ``__enter__``). nnsight still refuses the
