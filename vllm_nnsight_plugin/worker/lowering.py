@@ -118,9 +118,7 @@ class Lowering:
                 return False
             return True
         if digest is not None:  # kept as built: each request adds its own copy
-            self.known[digest] = block
-            while len(self.known) > _KNOWN_LIMIT:
-                self.known.popitem(last=False)
+            _remember(self.known, digest, block)
         return self._add(request, tables, for_request(block), rows, most)
 
     def lower_edit(self, request: Any, edit_id: str, tables: Any, model: Any, rows: int, most: int) -> bool:
@@ -212,9 +210,7 @@ class Lowering:
             if isinstance(sites, tuple) and not all(tables.served_whole(s) for s in sites):
                 sites = None  # served as the values kept: a longer tuple, or another width, is not that
             if isinstance(sites, tuple) and digest is not None and not writes:
-                self.served[digest] = sites
-                while len(self.served) > _KNOWN_LIMIT:
-                    self.served.popitem(last=False)
+                _remember(self.served, digest, sites)
         if not isinstance(sites, tuple):
             if isinstance(sites, Unlowered) and sites.kind == VIEW and not writes:
                 why = sites  # what it reads is all served: how it uses it is the reason
@@ -223,9 +219,7 @@ class Lowering:
         if writes:  # its edits must land in the forward: Python at the taps
             kind, reason = (why.kind, why.reason) if why is not None else _WRITES
             if digest is not None:
-                self.writes_at_taps[digest] = (sites, kind, reason)
-                while len(self.writes_at_taps) > _KNOWN_LIMIT:
-                    self.writes_at_taps.popitem(last=False)
+                _remember(self.writes_at_taps, digest, (sites, kind, reason))
             return self._at_taps(request, sites, kind, reason)
         lowered = Lowered(sites[0], 0, None, None, code=KEEP_BOTH, replay=True)
         # a whole recompute's rows fit: its prompt and tokens, at its widest tap
@@ -361,6 +355,14 @@ class Lowering:
             "at_taps_known": self.taps_known,
             **self.paths.stats(),
         }
+
+
+def _remember(memo: OrderedDict, digest: bytes, value: Any) -> None:
+    """Keep what a block's bytes were found to be, the least recently used of
+    more than ``_KNOWN_LIMIT`` blocks forgotten."""
+    memo[digest] = value
+    while len(memo) > _KNOWN_LIMIT:
+        memo.popitem(last=False)
 
 
 class _EditCopy:
