@@ -22,7 +22,10 @@ layer's last row every step (``--every-layer`` taps them all, so it is lowered);
 clean prompt's rows (activation patching, as the patching page writes it);
 ``prefix`` the ``sweep`` on ``--sweep`` prompts sharing a 512-token prefix,
 each with 16 tokens of its own (``gpu_bench.shared_prefix``): the traced
-requests read the prefix cache, as the plain ones do.
+requests read the prefix cache, as the plain ones do; ``at_taps`` ``--batch`` x 16
+of a block no table runs (``gpu_bench.halve_if_large``), on this eager engine as
+the Python forward (cProfile misplaces the time spent inside nnsight's greenlets:
+``phases_cpu.py --compiled`` times the same block at the taps, unprofiled).
 """
 
 from __future__ import annotations
