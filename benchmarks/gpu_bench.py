@@ -1739,6 +1739,7 @@ def phases_engine(path: str, repeats: int, name: str = "phases-taps") -> None:
                     "worker_phases": {k: [round(1000 * s, 1), n] for k, (s, n) in worker[0].items()},
                     "timeline": phases_cpu.timeline(phases_cpu.EVENTS, origin),
                     "worker_timeline": phases_cpu.timeline(worker[1], origin),
+                    "allocator": worker[2],
                 }
             result(engine=name, job=f"{job}_phases", ms=round(1000 * wall, 1), phases=spent, **extra)
 
@@ -1767,10 +1768,29 @@ def _worker_phases(_worker: object, here: str, what: str) -> object:
     if what == "begin":
         phases_cpu.SPENT.clear()
         phases_cpu.EVENTS = []
+        _ALLOCATOR[:] = [_allocator_counts()]
         return None
     spent, events = dict(phases_cpu.SPENT), phases_cpu.EVENTS or []
     phases_cpu.EVENTS = None
-    return spent, events
+    before, after = (_ALLOCATOR or [{}])[0], _allocator_counts()
+    return spent, events, {key: after[key] - before.get(key, 0) for key in after}
+
+
+#: The caching allocator's counts as a job began (``_worker_phases``).
+_ALLOCATOR: list[dict] = []
+
+
+def _allocator_counts() -> dict:
+    """The CUDA caching allocator's counts of the events that wait for the whole
+    device (a retry frees cached blocks, ``cudaFree`` synchronizes): a collect that
+    waits for the step in flight this way shows here, not in its phases' names."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    keys = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free")
+    return {key: stats.get(key, 0) for key in keys}
 
 
 def hf_engine(path: str) -> None:

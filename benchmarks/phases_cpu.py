@@ -182,6 +182,10 @@ def instrument() -> None:
     wrap(runtime, "pack_all", "collect: packing")
     wrap(runtime, "pack", "collect: packing")  # (one request at a time, before pack_all)
     wrap(runtime, "pool_part", "collect: pool")
+    wrap(pool.Pooler, "pool", "collect: pool: join")
+    wrap(pool, "_room", "collect: pool: free memory asked")
+    wrap(pool.Pool, "share", "collect: pool: shared")
+    wrap(pool, "_as_bytes", "collect: pool: to host")
     wrap(front, "attach_collected", "attach (front end)")
     # With the engine core in a process of its own (``gpu_bench``'s ``phases-served``),
     # where the front end waits: for the engine's outputs, and for a collect's reply.
@@ -309,7 +313,9 @@ def main() -> None:
             found: dict[str, Any] = {"job": name, "ms": round(1000 * wall, 1)}
             found["phases"] = {label: [round(1000 * s, 1), int(n)] for label, (s, n) in SPENT.items()}
             if args.served:
-                ((spent, events),) = llm.collective_rpc(blocks._worker_phases, args=(str(here), "take"))
+                ((spent, events, _allocator),) = llm.collective_rpc(
+                    blocks._worker_phases, args=(str(here), "take")
+                )
                 found["engine_core"] = {
                     label: [round(1000 * s, 1), int(n)] for label, (s, n) in spent.items()
                 }
