@@ -1768,16 +1768,12 @@ def _worker_phases(_worker: object, here: str, what: str) -> object:
     if what == "begin":
         phases_cpu.SPENT.clear()
         phases_cpu.EVENTS = []
-        _ALLOCATOR[:] = [_allocator_counts()]
+        phases_cpu.ALLOCATOR = _allocator_counts()  # (kept where it is imported, not pickled)
         return None
     spent, events = dict(phases_cpu.SPENT), phases_cpu.EVENTS or []
     phases_cpu.EVENTS = None
-    before, after = (_ALLOCATOR or [{}])[0], _allocator_counts()
+    before, after = getattr(phases_cpu, "ALLOCATOR", {}), _allocator_counts()
     return spent, events, {key: after[key] - before.get(key, 0) for key in after}
-
-
-#: The caching allocator's counts as a job began (``_worker_phases``).
-_ALLOCATOR: list[dict] = []
 
 
 def _allocator_counts() -> dict:

@@ -154,7 +154,7 @@ def instrument() -> None:
     from vllm_nnsight_plugin.client import _nnsight as client_nnsight
     from vllm_nnsight_plugin.client import model as client
     from vllm_nnsight_plugin.returns import pool
-    from vllm_nnsight_plugin.taps import install
+    from vllm_nnsight_plugin.taps import broken, install
     from vllm_nnsight_plugin.worker import _nnsight as worker_nnsight
     from vllm_nnsight_plugin.worker import live, lowering, runtime
 
@@ -171,6 +171,7 @@ def instrument() -> None:
     wrap(runtime.WorkerRuntime, "_start", "steps: forward's start: interleaver opened")
     wrap(runtime.WorkerRuntime, "_open_taps", "steps: forward's start: taps opened")
     wrap(live.AtTaps, "__call__", "steps: hand-offs at the taps")
+    wrap(broken.BrokenGraph, "replay", "steps: graph broken at the taps replayed")
     wrap(runtime.WorkerRuntime, "_close_taps", "steps: taps closed")
     wrap(runtime.WorkerRuntime, "_on_logits", "steps: logits (worker)")
     wrap(runtime.WorkerRuntime, "_on_samples", "steps: samples (worker)")
