@@ -7,12 +7,14 @@ import gc
 import pytest
 
 from vllm_nnsight_plugin import settings
+from vllm_nnsight_plugin.client import heap
 from vllm_nnsight_plugin.client.heap import frozen
 
 
 @pytest.fixture(autouse=True)
-def _thawed():
+def _thawed(monkeypatch):
     gc.unfreeze()
+    monkeypatch.setattr(heap, "_theirs", False)
     yield
     gc.unfreeze()
 
@@ -65,3 +67,24 @@ def test_off_leaves_the_collector_as_it_is(monkeypatch):
     monkeypatch.setenv(settings.FREEZE_HEAP, "0")
     with frozen():
         assert gc.get_freeze_count() == 0
+
+
+def test_a_freeze_not_ours_is_counted_once(monkeypatch):
+    """Counting the frozen objects walks all of them: once another's freeze is
+    seen, later traces neither count them again nor freeze on top of it."""
+    monkeypatch.delenv(settings.FREEZE_HEAP, raising=False)
+    counted = []
+    count = gc.get_freeze_count
+
+    def counting() -> int:
+        counted.append(1)
+        return count()
+
+    monkeypatch.setattr(gc, "get_freeze_count", counting)
+    gc.freeze()  # someone else's
+    frozen_before = count()
+    for _ in range(3):
+        with frozen():
+            pass
+    assert len(counted) == 1
+    assert count() > frozen_before // 2  # theirs, still in force
