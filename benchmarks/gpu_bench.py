@@ -1739,7 +1739,8 @@ def phases_engine(path: str, repeats: int, name: str = "phases-taps") -> None:
                     "worker_phases": {k: [round(1000 * s, 1), n] for k, (s, n) in worker[0].items()},
                     "timeline": phases_cpu.timeline(phases_cpu.EVENTS, origin),
                     "worker_timeline": phases_cpu.timeline(worker[1], origin),
-                    "allocator": worker[2],
+                    "allocator": {k: v for k, v in worker[2].items() if k != "steps"},
+                    "steps": [[round(1000 * (t - origin), 1), *rest] for t, *rest in worker[2]["steps"]],
                 }
             result(engine=name, job=f"{job}_phases", ms=round(1000 * wall, 1), phases=spent, **extra)
 
@@ -1764,16 +1765,47 @@ def _worker_phases(_worker: object, here: str, what: str) -> object:
         phases_cpu.wrap(gpu_worker.Worker, "sample_tokens", "worker: sample_tokens")
         phases_cpu.wrap(core.EngineCore, "step_with_batch_queue", "engine core: step (batch queue)")
         phases_cpu.wrap(core.EngineCore, "step", "engine core: step")
+        _record_schedules(phases_cpu)
         return None
     if what == "begin":
         phases_cpu.SPENT.clear()
         phases_cpu.EVENTS = []
         phases_cpu.ALLOCATOR = _allocator_counts()  # (kept where it is imported, not pickled)
+        phases_cpu.SCHEDULED = []
         return None
     spent, events = dict(phases_cpu.SPENT), phases_cpu.EVENTS or []
     phases_cpu.EVENTS = None
     before, after = getattr(phases_cpu, "ALLOCATOR", {}), _allocator_counts()
-    return spent, events, {key: after[key] - before.get(key, 0) for key in after}
+    counts = {key: after[key] - before.get(key, 0) for key in after}
+    return spent, events, {**counts, "steps": getattr(phases_cpu, "SCHEDULED", [])}
+
+
+def _record_schedules(phases_cpu) -> None:
+    """Each step the scheduler makes, as (when, its tokens, its requests, new ones,
+    running, waiting): a job's steps set side by side with its plain run's."""
+    import time
+
+    from vllm.v1.core.sched import scheduler
+
+    schedule = scheduler.Scheduler.schedule
+
+    def recorded(self, *args, **kwargs):
+        out = schedule(self, *args, **kwargs)
+        steps = getattr(phases_cpu, "SCHEDULED", None)
+        if steps is not None and out.total_num_scheduled_tokens:
+            steps.append(
+                (
+                    round(time.perf_counter(), 4),
+                    out.total_num_scheduled_tokens,
+                    len(out.num_scheduled_tokens),
+                    len(out.scheduled_new_reqs),
+                    len(self.running),
+                    len(self.waiting),
+                )
+            )
+        return out
+
+    scheduler.Scheduler.schedule = recorded
 
 
 def _allocator_counts() -> dict:

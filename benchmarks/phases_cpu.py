@@ -314,7 +314,7 @@ def main() -> None:
             found: dict[str, Any] = {"job": name, "ms": round(1000 * wall, 1)}
             found["phases"] = {label: [round(1000 * s, 1), int(n)] for label, (s, n) in SPENT.items()}
             if args.served:
-                ((spent, events, _allocator),) = llm.collective_rpc(
+                ((spent, events, counts),) = llm.collective_rpc(
                     blocks._worker_phases, args=(str(here), "take")
                 )
                 found["engine_core"] = {
@@ -322,6 +322,7 @@ def main() -> None:
                 }
                 found["timeline"] = timeline(EVENTS or [], started)
                 found["engine_core_timeline"] = timeline(events, started)
+                found["steps"] = [[round(1000 * (t - started), 1), *rest] for t, *rest in counts["steps"]]
             print("RESULT " + json.dumps(found), flush=True)
     for traced, plain in (("sweep", "plain_sweep"), ("prefix", "plain_prefix"), ("steer", "plain_steer")):
         if traced in walls and plain in walls:
