@@ -91,7 +91,9 @@ class Ready:
             return
         self.beside += 1
         if self._side is None:
-            self._side = torch.cuda.Stream()
+            # High priority: a prompt step's long kernels fill the device, and the
+            # collect's few small copies would otherwise queue behind them.
+            self._side = torch.cuda.Stream(priority=-1)
         side, compute = self._side, self._stream
         side.wait_event(self._mark)
         try:
