@@ -314,7 +314,9 @@ def main() -> None:
             found: dict[str, Any] = {"job": name, "ms": round(1000 * wall, 1)}
             found["phases"] = {label: [round(1000 * s, 1), int(n)] for label, (s, n) in SPENT.items()}
             if args.served:
-                ((spent, events, counts),) = llm.collective_rpc(
+                # (the scheduler's steps, which ``gpu_bench`` also records, are not here:
+                # this CPU engine runs its worker, where the timers are, apart from it)
+                ((spent, events, _counts),) = llm.collective_rpc(
                     blocks._worker_phases, args=(str(here), "take")
                 )
                 found["engine_core"] = {
@@ -322,7 +324,6 @@ def main() -> None:
                 }
                 found["timeline"] = timeline(EVENTS or [], started)
                 found["engine_core_timeline"] = timeline(events, started)
-                found["steps"] = [[round(1000 * (t - started), 1), *rest] for t, *rest in counts["steps"]]
             print("RESULT " + json.dumps(found), flush=True)
     for traced, plain in (("sweep", "plain_sweep"), ("prefix", "plain_prefix"), ("steer", "plain_steer")):
         if traced in walls and plain in walls:
