@@ -36,7 +36,10 @@ Engines (MODEL_DIR holds a config and tokenizer; weights are ``load_format="dumm
 - ``phases-served`` the same jobs with the engine core in a process of its own,
                   as ``vllm.LLM`` runs it: the front end's phases, where it waits
                   for the engine's outputs and for a collect's reply, the engine
-                  core's phases (through ``collective_rpc``), and both timelines
+                  core's phases (through ``collective_rpc``), and both timelines;
+                  with ``GPU_BENCH_STACKS=1``, the engine core's stacks sampled
+                  every millisecond during each call of a step's longer than
+                  15 ms (``phases_cpu.Stacks``: slows the runs a little)
 
 ``GPU_BENCH_NO_IDLE=1`` skips the idle engine's plain runs (the paired jobs
 carry their own); ``GPU_BENCH_ENGINE_S`` (560) stops an engine's process after
@@ -1739,9 +1742,14 @@ def phases_engine(path: str, repeats: int, name: str = "phases-taps") -> None:
                     "worker_phases": {k: [round(1000 * s, 1), n] for k, (s, n) in worker[0].items()},
                     "timeline": phases_cpu.timeline(phases_cpu.EVENTS, origin),
                     "worker_timeline": phases_cpu.timeline(worker[1], origin),
-                    "allocator": {k: v for k, v in worker[2].items() if k != "steps"},
+                    "allocator": {k: v for k, v in worker[2].items() if k not in ("steps", "stacks")},
                     "steps": [[round(1000 * (t - origin), 1), *rest] for t, *rest in worker[2]["steps"]],
                 }
+                if "stacks" in worker[2]:  # (``GPU_BENCH_STACKS``)
+                    extra["stacks"] = [
+                        [label, round(1000 * (start - origin), 1), *rest]
+                        for label, start, *rest in worker[2]["stacks"]
+                    ]
             result(engine=name, job=f"{job}_phases", ms=round(1000 * wall, 1), phases=spent, **extra)
 
 
@@ -1766,18 +1774,36 @@ def _worker_phases(_worker: object, here: str, what: str) -> object:
         phases_cpu.wrap(core.EngineCore, "step_with_batch_queue", "engine core: step (batch queue)")
         phases_cpu.wrap(core.EngineCore, "step", "engine core: step")
         _record_schedules(phases_cpu)
+        if os.environ.get("GPU_BENCH_STACKS"):  # where a long step call waited
+            phases_cpu.STACKS = phases_cpu.Stacks()
         return None
     if what == "begin":
         phases_cpu.SPENT.clear()
         phases_cpu.EVENTS = []
         phases_cpu.ALLOCATOR = _allocator_counts()  # (kept where it is imported, not pickled)
         phases_cpu.SCHEDULED = []
+        if getattr(phases_cpu, "STACKS", None) is not None:
+            phases_cpu.STACKS.clear()
         return None
     spent, events = dict(phases_cpu.SPENT), phases_cpu.EVENTS or []
     phases_cpu.EVENTS = None
     before, after = getattr(phases_cpu, "ALLOCATOR", {}), _allocator_counts()
     counts = {key: after[key] - before.get(key, 0) for key in after}
-    return spent, events, {**counts, "steps": getattr(phases_cpu, "SCHEDULED", [])}
+    found = {**counts, "steps": getattr(phases_cpu, "SCHEDULED", [])}
+    stacks = getattr(phases_cpu, "STACKS", None)
+    if stacks is not None:
+        found["stacks"] = stacks.where(events, _LONG_CALLS, 0.015)
+    return spent, events, found
+
+
+#: The engine core's calls whose long ones ``GPU_BENCH_STACKS`` explains.
+_LONG_CALLS = (
+    "worker: execute_model",
+    "worker: sample_tokens",
+    "steps: begin (worker)",
+    "collect (worker)",
+    "steps: schedule (engine core)",
+)
 
 
 def _record_schedules(phases_cpu) -> None:

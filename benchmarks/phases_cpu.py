@@ -123,6 +123,55 @@ def _gc_timer(phase: str, info: dict) -> None:
             seen[1] += 1
 
 
+class Stacks:
+    """Samples one thread's Python stack every ``every`` seconds while a job runs,
+    so that a call much longer than its kind (a step's ``sample_tokens`` that
+    waits) says where it waited, without a profiler's cost on every call. The
+    sampling thread takes the interpreter lock about a thousand times a second:
+    a job timed with it is slower than without, so it is on only when asked."""
+
+    def __init__(self, every: float = 0.001, depth: int = 14) -> None:
+        import threading
+
+        self.ident = threading.get_ident()  # the thread that builds it is the one sampled
+        self.every, self.depth = every, depth
+        self.samples: list[tuple[float, tuple[str, ...]]] = []
+        threading.Thread(target=self._run, name="stacks", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.every)
+            frame = sys._current_frames().get(self.ident)
+            if frame is None:
+                continue
+            stack = []
+            while frame is not None and len(stack) < self.depth:
+                code = frame.f_code
+                stack.append(f"{Path(code.co_filename).name}:{frame.f_lineno} {code.co_name}")
+                frame = frame.f_back
+            self.samples.append((time.perf_counter(), tuple(stack)))
+
+    def clear(self) -> None:
+        self.samples = []
+
+    def where(self, events: list[tuple[str, float, float]], labels: tuple[str, ...], longer: float) -> list:
+        """Each call of ``labels`` longer than ``longer`` seconds: its label, start,
+        length, and the stacks sampled during it, most frequent first (each sample
+        about ``every`` seconds)."""
+        samples = self.samples
+        found = []
+        for label, start, end in events:
+            if label not in labels or end - start < longer:
+                continue
+            counts: dict[tuple[str, ...], int] = {}
+            for when, stack in samples:
+                if start <= when <= end:
+                    counts[stack] = counts.get(stack, 0) + 1
+            top = sorted(counts.items(), key=lambda kv: -kv[1])[:6]
+            found.append([label, start, round(1000 * (end - start), 1), [[n, list(s)] for s, n in top]])
+        return found
+
+
 def timeline(events: list[tuple[str, float, float]], origin: float, many: int = 40) -> dict[str, Any]:
     """Per label, each call's start and length in ms after ``origin``; a label of
     more than ``many`` calls gives its count, first start and last end instead."""
