@@ -45,7 +45,8 @@ Engines (MODEL_DIR holds a config and tokenizer; weights are ``load_format="dumm
 carry their own); ``GPU_BENCH_ENGINE_S`` (560) stops an engine's process after
 that many seconds.
 ``GPU_BENCH_LAYER`` and ``GPU_BENCH_PROMPT_LEN`` move the layer (18) and the prompt
-length (32), so that no figure depends on one setting.
+length (32), so that no figure depends on one setting; ``GPU_BENCH_MAX_NUM_SEQS``
+the engines' ``max_num_seqs`` (256; ``vllm``: vLLM's default for the device).
 ``GPU_BENCH_TAPS`` (patterns, comma-separated) replaces the tapped engines' one
 tap, e.g. ``model.layers.*.output`` for every layer (the jobs still use ``LAYER``).
 ``GPU_BENCH_IDLE_ONLY=1`` stops after the plain jobs (what the plugin costs an idle engine);
@@ -136,6 +137,13 @@ ENGINE = dict(
     max_num_seqs=256,
     gpu_memory_utilization=0.85,
 )
+#: ``GPU_BENCH_MAX_NUM_SEQS``: another bound on a step's requests; ``vllm`` leaves it
+#: to vLLM, whose default for an ``LLM`` on an H100 or H200 is 1,024 (256 elsewhere).
+_SEQS = os.environ.get("GPU_BENCH_MAX_NUM_SEQS")
+if _SEQS == "vllm":
+    del ENGINE["max_num_seqs"]
+elif _SEQS:
+    ENGINE["max_num_seqs"] = int(_SEQS)
 if os.environ.get("GPU_BENCH_REAL"):  # a checkpoint with weights (SmolLM2)
     ENGINE.update(load_format="auto")
 if os.environ.get("GPU_BENCH_SMALL"):  # a dry run of the script itself, on a CPU
@@ -1750,7 +1758,15 @@ def phases_engine(path: str, repeats: int, name: str = "phases-taps") -> None:
                         [label, round(1000 * (start - origin), 1), *rest]
                         for label, start, *rest in worker[2]["stacks"]
                     ]
-            result(engine=name, job=f"{job}_phases", ms=round(1000 * wall, 1), phases=spent, **extra)
+            seqs = ENGINE.get("max_num_seqs", "vllm")
+            result(
+                engine=name,
+                job=f"{job}_phases",
+                ms=round(1000 * wall, 1),
+                max_num_seqs=seqs,
+                phases=spent,
+                **extra,
+            )
 
 
 def _worker_phases(_worker: object, here: str, what: str) -> object:
