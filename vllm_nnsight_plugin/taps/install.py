@@ -39,7 +39,17 @@ import torch
 from ..settings import BREAK_AT_TAPS, SPLIT_AT_TAPS, value
 from . import ops, source
 from .broken import BrokenGraph
-from .kept import Lowered, Regions, kept_saves, layers_saves, picks_a_row, rows_kept, store_rows
+from .kept import (
+    Lowered,
+    Regions,
+    kept_saves,
+    layers_saves,
+    picks_a_row,
+    read_together,
+    rows_kept,
+    single_read,
+    store_rows,
+)
 from .spec import LAYER_LISTS, LAYERS, engine_taps, input_site, kernel_chosen, resolve, split_site
 
 logger = logging.getLogger("vllm_nnsight_plugin")
@@ -444,15 +454,37 @@ class TapTables:
         """How many forwards a lowered request has been in (this step's included)."""
         return self._state(self.requests[request_id])[0]
 
-    def saves(self, lowered: Lowered, counted: int | None = None) -> dict[str, Any]:
-        """What a request's lowered block kept (read before :meth:`release`), in its
-        first ``counted`` forwards where vLLM threw the later ones' samples away."""
+    def _counted(self, lowered: Lowered, counted: int | None) -> tuple[int, int, int]:
+        """:meth:`_state`, cut to the first ``counted`` forwards where vLLM threw
+        the later ones' samples away."""
         steps, done, first = self._state(lowered)
         if counted is not None and counted < steps:
             steps, done = counted, rows_kept(lowered, counted, first)
+        return steps, done, first
+
+    def saves(self, lowered: Lowered, counted: int | None = None) -> dict[str, Any]:
+        """What a request's lowered block kept (read before :meth:`release`), in its
+        first ``counted`` forwards where vLLM threw the later ones' samples away."""
+        steps, done, first = self._counted(lowered, counted)
         if len(lowered.regions) > 1 and not lowered.replay:
             return layers_saves(lowered, self.store, steps, done, first)
         return kept_saves(lowered, self.store, steps, done, first)
+
+    def reads(self, taken: list[tuple[Lowered, int | None]]) -> dict[int, dict[str, Any]]:
+        """:meth:`saves` of the single reads among ``taken`` (``(lowered, counted)``),
+        gathered in one copy (``kept.read_together``), by ``id`` of each lowered;
+        the others are not here (ask :meth:`saves`)."""
+        wanted = []
+        for lowered, counted in taken:
+            if len(lowered.regions) > 1 and not lowered.replay:
+                continue
+            done = self._counted(lowered, counted)[1]
+            if single_read(lowered, done):
+                wanted.append((lowered, done))
+        if len(wanted) < 2:
+            return {}
+        found = read_together(self.store, wanted)
+        return {id(lowered): saves for (lowered, _), saves in zip(wanted, found, strict=True)}
 
     def release(self, lowered: Lowered) -> None:
         """Give a forgotten request's region of the store back (its rows were read)."""

@@ -10,6 +10,7 @@ path would have built it.
 from __future__ import annotations
 
 import ast
+import logging
 from collections import OrderedDict
 from typing import Any
 
@@ -23,6 +24,8 @@ from ..taps.ops import KEEP_BOTH
 from ..taps.replay import VIEW, modules_of, replayable
 from .errors import KeptRowsError
 from .paths import AT_SAMPLER, COPIES, NO_ROOM, OUT_OF_RANGE, SEQUENCES, SPECULATIVE, UNSIZED, Paths
+
+logger = logging.getLogger("vllm_nnsight_plugin")
 
 #: Stands in a lowered request's saves for its finished output (``tracer.result``)
 #: until the output is at hand.
@@ -306,45 +309,55 @@ class Lowering:
         if tables is None or not tables.requests:
             return {}
         saved: dict[str, dict[str, Any]] = {}
+        taken_all = []
         for asked in request_ids:
             for internal in index.answering(asked):
                 taken = tables.forget(internal)
-                if taken is None:
+                if taken is not None:
+                    lowered, steps = taken
+                    taken_all.append((internal, lowered, min(steps, (counted or {}).get(internal, steps))))
+        try:  # the single reads among them in one copy (a sweep's thousand)
+            read = tables.reads(
+                [(lowered, steps) for internal, lowered, steps in taken_all if internal in requests.requests]
+            )
+        except Exception:  # each asks on its own below, failing alone
+            logger.exception("vllm-nnsight: the collect's reads could not be gathered together")
+            read = {}
+        for internal, lowered, steps in taken_all:
+            self.mixed.discard(internal)
+            self.replays.pop(internal, None)
+            request = requests.requests.get(internal)
+            try:
+                if request is None:
                     continue
-                self.mixed.discard(internal)
-                self.replays.pop(internal, None)
-                lowered, steps = taken
-                steps = min(steps, (counted or {}).get(internal, steps))
-                request = requests.requests.get(internal)
+                if tables.overflowed(lowered):
+                    _failed(request, lowered, nns.capture_exception(_overflow(lowered, internal)))
+                    continue
+                saves = read.get(id(lowered))
                 try:
-                    if request is None:
-                        continue
-                    if tables.overflowed(lowered):
-                        _failed(request, lowered, nns.capture_exception(_overflow(lowered, internal)))
-                        continue
-                    try:
+                    if saves is None:
                         saves = tables.saves(lowered, steps)
-                    except Exception as error:  # that request's failure, no other's
-                        _failed(request, lowered, nns.capture_exception(error))
-                        continue
-                    loop_ended = lowered.stop is not None and steps >= lowered.stop
-                    whole = lowered.single or lowered.cache is not None  # no loop to end
-                    if lowered.edit is not None:  # an installed edit's: collected as its saves,
-                        # unless it was cleared meanwhile (its copies are dropped with theirs); an
-                        # edit is never served ``tracer.result``, as on the Python path
-                        if saves and lowered.edit in requests.templates:
-                            # as the Python path's copy saved them (a trace's ``tracer.result``
-                            # shows them before they are packed): lists, not stacked rows
-                            _harvested(request, lowered.edit)["saves"].update(
-                                {name: _as_saved(value) for name, value in saves.items()}
-                            )
-                        continue
-                    if lowered.result is not None and (loop_ended or whole):
-                        saves[lowered.result] = OUTPUT
-                    if saves:
-                        saved.setdefault(request.engine_id, {}).update(saves)
-                finally:
-                    tables.release(lowered)
+                except Exception as error:  # that request's failure, no other's
+                    _failed(request, lowered, nns.capture_exception(error))
+                    continue
+                loop_ended = lowered.stop is not None and steps >= lowered.stop
+                whole = lowered.single or lowered.cache is not None  # no loop to end
+                if lowered.edit is not None:  # an installed edit's: collected as its saves,
+                    # unless it was cleared meanwhile (its copies are dropped with theirs); an
+                    # edit is never served ``tracer.result``, as on the Python path
+                    if saves and lowered.edit in requests.templates:
+                        # as the Python path's copy saved them (a trace's ``tracer.result``
+                        # shows them before they are packed): lists, not stacked rows
+                        _harvested(request, lowered.edit)["saves"].update(
+                            {name: _as_saved(value) for name, value in saves.items()}
+                        )
+                    continue
+                if lowered.result is not None and (loop_ended or whole):
+                    saves[lowered.result] = OUTPUT
+                if saves:
+                    saved.setdefault(request.engine_id, {}).update(saves)
+            finally:
+                tables.release(lowered)
         return saved
 
     def stats(self) -> dict[str, Any]:
