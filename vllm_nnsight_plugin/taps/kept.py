@@ -176,23 +176,41 @@ def read_together(store: Any, reads: list[tuple[Lowered, int]]) -> list[dict[str
     in flight must not wait for it (``worker/ready.py``)."""
     import torch
 
-    picked = []
-    for lowered, done in reads:
-        rows = np.arange(lowered.base, lowered.base + done, dtype=np.int64)
-        picked.append(rows if lowered.select is None else rows[lowered.select])
-    index = torch.from_numpy(np.concatenate([np.atleast_1d(rows) for rows in picked]))
+    # The common read, one row by an integer (``[-1]``, the last), computed for all
+    # at once; the others row by row.
+    one = np.fromiter((type(lowered.select) is int for lowered, _ in reads), dtype=bool, count=len(reads))
+    bases = np.fromiter((lowered.base for lowered, _ in reads), dtype=np.int64, count=len(reads))
+    dones = np.fromiter((done for _, done in reads), dtype=np.int64, count=len(reads))
+    picks = np.fromiter(
+        (lowered.select if ok else 0 for (lowered, _), ok in zip(reads, one, strict=True)),
+        dtype=np.int64,
+        count=len(reads),
+    )
+    rows = [bases[one] + np.where(picks[one] < 0, picks[one] + dones[one], picks[one])]
+    for (lowered, done), ok in zip(reads, one, strict=True):
+        if not ok:
+            kept = np.arange(lowered.base, lowered.base + done, dtype=np.int64)
+            rows.append(kept if lowered.select is None else kept[lowered.select])
+    index = torch.from_numpy(np.concatenate(rows))
     if store.device.type == "cuda":
         index = index.pin_memory().to(store.device, non_blocking=True)
     data = store.index_select(0, index)
-    found, offset = [], 0
-    for (lowered, _), rows in zip(reads, picked, strict=True):
-        if np.ndim(rows) == 0:  # an integer index: the row itself
-            found.append({lowered.name: data[offset]})
-            offset += 1
+    single = iter(data[: len(rows[0])].unbind(0))
+    offset = len(rows[0])
+    found = []
+    for (lowered, _), ok, part in zip(reads, one, _parts(rows, one), strict=True):
+        if ok:
+            found.append({lowered.name: next(single)})
         else:
-            found.append({lowered.name: data[offset : offset + len(rows)]})
-            offset += len(rows)
+            found.append({lowered.name: data[offset : offset + part]})
+            offset += part
     return found
+
+
+def _parts(rows: list, one: np.ndarray) -> list[int]:
+    """Each read's row count in :func:`read_together`'s index (1 for an integer's)."""
+    rest = iter(rows[1:])
+    return [1 if ok else len(next(rest)) for ok in one]
 
 
 def layers_saves(lowered: Lowered, store: Any, steps: int, done: int, first: int) -> dict[str, Any]:
