@@ -273,6 +273,40 @@ def test_kept_and_other_requests_in_one_trace(smollm2_llm, smol):
     assert stats(smollm2_llm)["tracked"] == 0
 
 
+def reads_together(model, prompt):
+    """Five single reads lowered and the same five as Python, in one trace."""
+    with model.trace(temperature=0.0, max_tokens=1) as tracer:
+        with tracer.invoke(prompt):
+            last = model.model.layers[10].output[0][-1].clone().save()
+        with tracer.invoke(prompt):
+            first = model.model.layers[10].output[0][0].clone().save()
+        with tracer.invoke(prompt):
+            middle = model.model.layers[10].output[0][1:3].clone().save()
+        with tracer.invoke(prompt):
+            tail = model.model.layers[10].output[0][-2:].clone().save()
+        with tracer.invoke(prompt):
+            whole = model.model.layers[10].output[0].clone().save()
+        with tracer.invoke(prompt):
+            model.model.embed_tokens.output.clone()  # no tap: the block runs as Python
+            out = model.model.layers[10].output[0]
+            python = [out[-1].clone(), out[0].clone(), out[1:3].clone(), out[-2:].clone(), out.clone()]
+            python = python.save()
+    return [last, first, middle, tail, whole], python
+
+
+def test_a_traces_reads_collected_together_are_each_the_read_python_makes(smollm2_llm, smol):
+    """A trace's single reads are collected together (one copy of the store for
+    all of them): each is what the same read run as Python keeps beside it, of its
+    own prompt, whatever it indexes."""
+    for prompt in ("The capital of France is", "Water boils at"):
+        before = stats(smollm2_llm)["lowered_by"].get("read", 0)
+        lowered, python = reads_together(smol, prompt)
+        assert stats(smollm2_llm)["lowered_by"]["read"] - before == 5
+        for at, (value, want) in enumerate(zip(lowered, python, strict=True)):
+            assert value.shape == want.shape and torch.equal(value, want), (prompt, at)
+    assert stats(smollm2_llm)["tracked"] == 0
+
+
 LONG = "The history of the city goes back many centuries, " * 4 + "and today it is"
 
 
