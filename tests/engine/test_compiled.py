@@ -407,6 +407,23 @@ def test_the_client_says_which_locations_are_not_taps_before_it_sends(compiled):
             model.logits.clone().save()
 
 
+def test_each_invoke_of_a_loop_is_checked_by_the_values_its_block_reads(compiled):
+    """The invokes of one loop share a block; each is checked by the values of the
+    names it reads (a module from the loop's variable), not by its loop's other
+    variables, which need not make a block's reach differ."""
+    from vllm_nnsight_plugin import UntappedLocationWarning
+
+    model = VLLM(compiled)
+    layers = [model.model.layers[10], model.model.layers[3], model.model.layers[10]]
+    with pytest.warns(UntappedLocationWarning) as said:
+        with model.trace(temperature=0.0, max_tokens=1) as tracer:
+            for _i, each in enumerate(layers):
+                with tracer.invoke(PROMPT):
+                    each.output[0][-1].clone().save()
+    messages = [str(w.message) for w in said if w.category is UntappedLocationWarning]
+    assert len(messages) == 1 and "`model.model.layers.3.output` is not a tap" in messages[0], messages
+
+
 @pytest.fixture(scope="module")
 def compiled_no_fallback(smollm2_path, compiled):
     stop_llm(compiled)  # one engine at a time on two cores

@@ -412,7 +412,9 @@ class VLLM(Edits, _NNsightVLLM):
         known: dict[tuple, tuple[str, ...]] = {}
         for mediator in mediators:
             source, scope = block_of(mediator)
-            key = (source, tuple((name, id(value)) for name, value in scope.items()))
+            # by what the block reads: a sweep's invokes differ in their loop's
+            # variables, which the block need not read
+            key = (source, tuple((name, id(scope[name])) for name in names_used(source) if name in scope))
             found = known.get(key)
             if found is None:
                 try:
