@@ -38,8 +38,9 @@ Engines (MODEL_DIR holds a config and tokenizer; weights are ``load_format="dumm
                   for the engine's outputs and for a collect's reply, the engine
                   core's phases (through ``collective_rpc``), and both timelines;
                   with ``GPU_BENCH_STACKS=1``, the engine core's stacks sampled
-                  every millisecond during each call of a step's longer than
-                  15 ms (``phases_cpu.Stacks``: slows the runs a little)
+                  every millisecond: those during each call of a step's longer
+                  than 15 ms, and the job's whole profile of them
+                  (``phases_cpu.Stacks``: slows the runs a little)
 
 ``GPU_BENCH_NO_IDLE=1`` skips the idle engine's plain runs (the paired jobs
 carry their own); ``GPU_BENCH_ENGINE_S`` (560) stops an engine's process after
@@ -1750,10 +1751,14 @@ def phases_engine(path: str, repeats: int, name: str = "phases-taps") -> None:
                     "worker_phases": {k: [round(1000 * s, 1), n] for k, (s, n) in worker[0].items()},
                     "timeline": phases_cpu.timeline(phases_cpu.EVENTS, origin),
                     "worker_timeline": phases_cpu.timeline(worker[1], origin),
-                    "allocator": {k: v for k, v in worker[2].items() if k not in ("steps", "stacks")},
+                    "allocator": {
+                        k: v for k, v in worker[2].items() if k not in ("steps", "stacks", "stack_profile")
+                    },
                     "steps": [[round(1000 * (t - origin), 1), *rest] for t, *rest in worker[2]["steps"]],
                 }
-                if "stacks" in worker[2]:  # (``GPU_BENCH_STACKS``)
+                if "stack_profile" in worker[2]:  # (``GPU_BENCH_STACKS``)
+                    extra["stack_profile"] = worker[2]["stack_profile"]
+                if "stacks" in worker[2]:
                     extra["stacks"] = [
                         [label, round(1000 * (start - origin), 1), *rest]
                         for label, start, *rest in worker[2]["stacks"]
@@ -1809,6 +1814,7 @@ def _worker_phases(_worker: object, here: str, what: str) -> object:
     stacks = getattr(phases_cpu, "STACKS", None)
     if stacks is not None:
         found["stacks"] = stacks.where(events, _LONG_CALLS, 0.015)
+        found["stack_profile"] = stacks.profile()
     return spent, events, found
 
 

@@ -171,6 +171,25 @@ class Stacks:
             found.append([label, start, round(1000 * (end - start), 1), [[n, list(s)] for s, n in top]])
         return found
 
+    def profile(self, top: int = 30, depth: int = 8) -> dict[str, Any]:
+        """Where the thread was through the whole job: every sample's innermost
+        ``depth`` frames, the ``top`` most frequent, and each function's share of
+        the samples it was on the stack of (a profile without a profiler's
+        per-call cost, for steps too short to time one by one)."""
+        samples = [stack for _, stack in self.samples]
+        inner: dict[tuple[str, ...], int] = {}
+        within: dict[str, int] = {}
+        for stack in samples:
+            inner[stack[:depth]] = inner.get(stack[:depth], 0) + 1
+            for frame in set(stack):
+                name = frame.split(" ", 1)[1] + " (" + frame.split(":", 1)[0] + ")"
+                within[name] = within.get(name, 0) + 1
+        return {
+            "samples": len(samples),
+            "stacks": [[n, list(s)] for s, n in sorted(inner.items(), key=lambda kv: -kv[1])[:top]],
+            "functions": sorted(within.items(), key=lambda kv: -kv[1])[: 2 * top],
+        }
+
 
 def timeline(events: list[tuple[str, float, float]], origin: float, many: int = 40) -> dict[str, Any]:
     """Per label, each call's start and length in ms after ``origin``; a label of
