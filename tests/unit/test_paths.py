@@ -196,9 +196,10 @@ def test_traced_outputs_are_counted_by_path_in_the_prometheus_registry():
         SimpleNamespace(nnsight_path={"lowered": True, "form": "keep", "reason": None}),
         SimpleNamespace(nnsight_path=None),  # a plain request
         SimpleNamespace(),
+        SimpleNamespace(nnsight_path={"lowered": True, "form": "keep", "reason": None}),
     ]
     count(outputs)
-    assert (value("taps"), value("lowered", "keep")) == (before[0] + 1, before[1] + 1)
+    assert (value("taps"), value("lowered", "keep")) == (before[0] + 1, before[1] + 2)
 
 
 def test_each_workers_step_counts_add_only_what_it_did_since_its_last_reply():

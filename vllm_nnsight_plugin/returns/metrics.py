@@ -94,13 +94,15 @@ def path_label(path: dict | None) -> tuple[str, str] | None:
 
 
 def count(outputs: list) -> None:
-    """Count each finished traced output once, by its path."""
-    counter = None
+    """Count each finished traced output once, by its path (one increment per
+    path: a sweep finishes a thousand requests at a time)."""
+    labels: dict[tuple[str, str], int] = {}
     for output in outputs:
         label = path_label(getattr(output, "nnsight_path", None))
-        if label is None:
-            continue
-        counter = counter or _counter()
-        if counter is None:
-            return
-        counter.labels(path=label[0], form=label[1]).inc()
+        if label is not None:
+            labels[label] = labels.get(label, 0) + 1
+    counter = _counter() if labels else None
+    if counter is None:
+        return
+    for (path, form), n in labels.items():
+        counter.labels(path=path, form=form).inc(n)
