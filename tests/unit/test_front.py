@@ -226,3 +226,13 @@ def test_params_built_for_one_request_each_are_copied_shallow_by_the_engine():
     assert all(param.skip_clone for param in params)
     copy = params[0].clone()
     assert copy is not params[0] and copy.stop is params[0].stop and copy.max_tokens == 2
+
+
+def test_an_engine_id_is_the_id_a_request_was_added_under_less_vllms_suffix():
+    from vllm_nnsight_plugin.seams.frontend import external_id
+
+    assert external_id("7-0a1b2c3d") == "7"
+    assert external_id("my-request-0a1b2c3d") == "my-request"
+    assert external_id("7") == "7"
+    assert external_id("7-0a1b2c3") == "7-0a1b2c3"  # seven digits: not vLLM's
+    assert external_id("7-0A1B2C3D") == "7-0A1B2C3D"  # vLLM's are lower case

@@ -348,3 +348,18 @@ def test_a_captured_tensor_owning_its_storage_travels_as_its_bytes(trees):
     loaded["both"][0] = 123.0
     theirs[1][0] = 123.0
     assert loaded["whole"][0, 0].item() == theirs[0][0, 0].item() != 123.0  # no storage shared, as torch's
+
+
+def test_the_attach_reads_the_trace_off_its_interleaver_and_knows_prompted_invokes():
+    """``client/model._Sealing`` attaches a trace in parts by narrowing the
+    interleaver's mediators (``client/_nnsight.attaching_only``) and tells the
+    invokes with a prompt by their batch group (``rides_a_request``)."""
+    import inspect
+
+    from nnsight.intervention.interleaver import Interleaver, Mediator
+    from nnsight.modeling.vllm.vllm import VLLM as NNsightVLLM
+
+    assert "self.interleaver.mediators" in inspect.getsource(NNsightVLLM._attach_mediators)
+    assert "mediator.batch_group is not None" in inspect.getsource(NNsightVLLM._attach_mediators)
+    assert "self.batch_group" in inspect.getsource(Mediator.__init__)
+    assert "self.mediators" in inspect.getsource(Interleaver.__init__)

@@ -134,6 +134,31 @@ def _reduce_block(node: Any, globals: dict, locals: dict) -> tuple:
     return (source, *compacted(used_globals, used_locals))
 
 
+def rides_a_request(mediator: Any) -> bool:
+    """Whether an invoke's mediator has a request of its own (a prompt, so a row
+    range of the batch: nnsight's ``batch_group``); an invoke without one is
+    nnsight's to drop or refuse."""
+    return getattr(mediator, "batch_group", None) is not None
+
+
+def trace_mediators(model: Any) -> list:
+    """The trace's mediators, in invoke order, as nnsight's attach reads them."""
+    return list(model.interleaver.mediators)
+
+
+@contextlib.contextmanager
+def attaching_only(model: Any, mediators: list) -> Iterator[None]:
+    """nnsight's attach (``VLLM._attach_mediators``) takes the trace's mediators off
+    its interleaver: within this it takes ``mediators`` only, one part of them."""
+    interleaver = model.interleaver
+    everyone = interleaver.mediators
+    interleaver.mediators = mediators
+    try:
+        yield
+    finally:
+        interleaver.mediators = everyone
+
+
 def block_of(mediator: Any) -> tuple[str | None, dict[str, Any]]:
     """A block's source as it travels, and the values it captured by name, read
     off the client's mediator (its ``node``, ``glbls`` and ``lcls``)."""
@@ -269,18 +294,27 @@ _COPIES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("vllm_nnsi
 _PLAIN = (int, float, complex, bool, str, bytes, type(None))
 
 
+def pickle_memo() -> tuple[dict, dict]:
+    """A memo for :func:`one_pickle_per_block` that outlives one part of a trace's
+    attach (``model._Sealing``)."""
+    return {}, {}
+
+
 @contextlib.contextmanager
-def one_pickle_per_block() -> Iterator[None]:
+def one_pickle_per_block(memo: tuple[dict, dict] | None = None) -> Iterator[None]:
     """Within this, invokes that carry the same block share one pickle (module docstring).
 
     Meant for the span of one trace's attach, where no user code runs between
-    two invokes' pickles, so a captured object cannot change in between.
+    two invokes' pickles, so a captured object cannot change in between; a trace
+    attached in parts as vLLM reads its requests (``model._Sealing``) keeps one
+    ``memo`` across them, and between them only vLLM's ``add_request`` runs.
     """
-    token, copies = _PICKLES.set({}), _COPIES.set({})
+    pickles, copies = memo or pickle_memo()
+    token, copies_token = _PICKLES.set(pickles), _COPIES.set(copies)
     try:
         yield
     finally:
-        _COPIES.reset(copies)
+        _COPIES.reset(copies_token)
         _PICKLES.reset(token)
 
 

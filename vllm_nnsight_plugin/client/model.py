@@ -36,7 +36,7 @@ import functools
 import types
 import uuid
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,7 +58,18 @@ from ..wire.references import envoy_of, envoys_as_references
 from ..wire.tree import TREE_VERSION, TreeError, load_tokenizer, rebuild
 from ..wire.trust import VOUCHED_KEY, Vouched, operator_key
 from . import skip
-from ._nnsight import Envoy, InterleavingTracer, block_of, one_pickle_per_block, reattach_caches, reduce_once
+from ._nnsight import (
+    Envoy,
+    InterleavingTracer,
+    attaching_only,
+    block_of,
+    one_pickle_per_block,
+    pickle_memo,
+    reattach_caches,
+    reduce_once,
+    rides_a_request,
+    trace_mediators,
+)
 from .edits import Edits, command
 from .heap import frozen
 from .remote import TREE_ROUTE, Server
@@ -208,6 +219,85 @@ def _seal_params(params: list, count: int, server_key: str | None = None) -> Non
         extra[EXTRA_ARGS_KEY], extra[VOUCHED_KEY] = kept[1], kept[2]
 
 
+class _Sealing(Sequence):
+    """A trace's sampling params as ``LLM.generate`` reads them: each invoke's block
+    pickled and sealed onto its params when vLLM first asks for them, a part at a
+    time.
+
+    vLLM adds each request as it reads its params, and an engine core in a process
+    of its own starts on the first while the client seals the rest: a sweep of a
+    thousand invokes no longer waits for all of them to be sealed before its first
+    request goes (vLLM gives the same advice for rendering prompts). The first part
+    is sealed when this is made, and every invoke's edits are checked then, so
+    what is wrong with the trace (a misspelled setting, an edit nothing is
+    installed under, an invoke without a prompt that does something) is raised
+    before any request is sent; the prefix claims are
+    decided for the whole trace first too (all or none). Anything raised later, a
+    block that cannot be pickled, ends the call as before, and vLLM aborts the
+    requests it had added. Where the trace's invokes and its params do not pair
+    up one to one, it is all sealed at once, as nnsight does.
+    """
+
+    FIRST = 16  # invokes sealed before anything is sent
+    MOST = 256  # the largest part (each part doubles the last)
+
+    def __init__(self, model: VLLM, params: list, kwargs: dict) -> None:
+        self._model, self._params, self._kwargs = model, params, kwargs
+        everyone = trace_mediators(model)
+        riding = [m for m in everyone if rides_a_request(m)]
+        self._others = [m for m in everyone if not rides_a_request(m)]
+        self._riding = riding
+        self.pickles = pickle_memo()  # one pickle per block across the parts
+        self.said: set[str] = set()  # untapped locations warned of
+        self.claims = model._claim_last_rows(riding)
+        self.attached: list = []
+        self.sealed = 0
+        self._part = self.FIRST
+        if len(riding) != len(params):
+            self._riding, self._others, self.claims = None, everyone, None
+            self._upto(len(params))
+            return
+        if not getattr(model, "_serving", False):  # each invoke's edits, as its part would check them
+            for param in params:
+                model._check_edit_names(getattr(param, "nnsight_edits", None))
+        self._upto(min(self.FIRST, len(params)))
+
+    def __len__(self) -> int:
+        return len(self._params)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            self._upto(len(self._params))
+            return self._params[index]
+        at = index + len(self._params) if index < 0 else index
+        if 0 <= at:
+            self._upto(at + 1)
+        return self._params[index]
+
+    def finish(self) -> list:
+        """The attached mediators of every invoke (the rest sealed, if vLLM did not
+        ask for them all)."""
+        self._upto(len(self._params))
+        return self.attached
+
+    def _upto(self, count: int) -> None:
+        count = min(count, len(self._params))
+        while self.sealed < count or (self.sealed == 0 and self._others is not None):
+            start = self.sealed
+            if self._riding is None:  # all at once, every mediator as nnsight reads them
+                end, mediators = len(self._params), self._others
+            else:
+                end = min(len(self._params), max(count, start + self._part))
+                mediators = self._riding[start:end]
+                if start == 0:  # nnsight drops, or refuses, the invokes without a prompt once
+                    mediators = self._others + mediators
+            self.attached.extend(
+                self._model._attach_part(mediators, self._params[start:end], self._kwargs, self)
+            )
+            self.sealed, self._others = end, None
+            self._part = min(2 * self._part, self.MOST)
+
+
 class VLLM(Edits, _NNsightVLLM):
     """nnsight on a stock vLLM engine; see the module docstring. ``model.edit()``
     and the other edit methods are :class:`~.edits.Edits`'."""
@@ -315,15 +405,15 @@ class VLLM(Edits, _NNsightVLLM):
         """Run the engine; the plugin puts each request's saves on its output. A
         trace of several requests shows vLLM's progress bar unless ``use_tqdm=False``."""
         with frozen():  # a full collection walks only what this call makes (``heap.py``)
-            mediators = self._attach_mediators(params, **kwargs)
+            sealing = _Sealing(self, params, kwargs)  # its first part now: a trace's mistakes raise here
             built_for_one_request(params)  # made by this trace's invokes, one each (``_batch``)
             outputs = self.vllm_entrypoint.generate(
                 prompts,
-                sampling_params=params,
+                sampling_params=sealing,
                 lora_request=lora_requests,
                 use_tqdm=len(prompts) > 1 if use_tqdm is None else use_tqdm,
             )
-            self._collect(mediators, self._with_trees(outputs))
+            self._collect(sealing.finish(), self._with_trees(outputs))
         return outputs
 
     def _with_trees(self, outputs: list) -> list:
@@ -340,24 +430,39 @@ class VLLM(Edits, _NNsightVLLM):
             return super()._prompt(*inputs)
 
     def _attach_mediators(self, params: list, **kwargs: Any) -> list:
+        return _Sealing(self, params, kwargs).finish()
+
+    def _attach_part(self, mediators: list, params: list, kwargs: dict, sealing: _Sealing) -> list:
+        """Attach and seal one part of a trace's invokes (``mediators``, with the
+        requests' ``params``): nnsight's pickle of each block, our envelope, the
+        prefix claims decided for the whole trace, what the blocks read."""
         reduce_once()  # one reduction per with-block, not per invoke (``_nnsight.py``)
-        with envoys_as_references(self), one_pickle_per_block(), vllm_stand_ins():
+        with (
+            envoys_as_references(self),
+            one_pickle_per_block(sealing.pickles),
+            vllm_stand_ins(),
+            attaching_only(self, mediators),
+        ):
             attached = super()._attach_mediators(params, **kwargs)
         _seal_params(params, len(attached), SERVER_KEY.get())
-        self._claim_last_rows(attached, params)
+        if sealing.claims is not None:
+            for param, claim in zip(params, sealing.claims[sealing.sealed :], strict=False):
+                param.extra_args[CLAIM_KEY] = claim
+                if hasattr(param, "skip_reading_prefix_cache") and not _wants_prompt_logprobs(param):
+                    param.skip_reading_prefix_cache = False  # (nnsight's client sets it)
         _say_result_unread(attached, params)
-        self._say_untapped(attached)
+        self._say_untapped(attached, sealing.said)
         return attached
 
-    def _claim_last_rows(self, mediators: list, params: list) -> None:
+    def _claim_last_rows(self, mediators: list) -> list | None:
         """Where every block of the trace reads each module only at the last row of
-        each step, and writes nothing or one edit of every row at every step, say
-        so on each request: it then shares the prefix cache as a plain request
-        does, or with the requests making the same edit (``prefix.py``; the
-        worker checks)."""
+        each step, and writes nothing or one edit of every row at every step, what
+        each request says of it (set on its params as it is sealed): it then
+        shares the prefix cache as a plain request does, or with the requests
+        making the same edit (``prefix.py``; the worker checks). None otherwise."""
         meta = self.__dict__.get("_module")
         if meta is None or not mediators:
-            return
+            return None
         from ..taps.replay import modules_of
 
         module_at = modules_of(meta)
@@ -391,14 +496,10 @@ class VLLM(Edits, _NNsightVLLM):
         try:
             claims = [qualifies(mediator) for mediator in mediators]
         except Exception:  # noqa: BLE001 - without the claim a request computes its whole prompt
-            return
-        if all(claims):
-            for param, claim in zip(params, claims):
-                param.extra_args[CLAIM_KEY] = claim
-                if hasattr(param, "skip_reading_prefix_cache") and not _wants_prompt_logprobs(param):
-                    param.skip_reading_prefix_cache = False  # (nnsight's client sets it)
+            return None
+        return claims if all(claims) else None
 
-    def _say_untapped(self, mediators: list) -> None:
+    def _say_untapped(self, mediators: list, said: set[str] | None = None) -> None:
         """Before the requests go: warn of each location a block names that no tap of
         this compiled engine serves. Such a block's steps run the whole forward as
         Python, for every request in them (or, on an engine started with
@@ -408,7 +509,7 @@ class VLLM(Edits, _NNsightVLLM):
             return
         from ..taps.replay import untapped
 
-        said: set[str] = set()
+        said = set() if said is None else said  # (each location once a trace)
         known: dict[tuple, tuple[str, ...]] = {}
         for mediator in mediators:
             source, scope = block_of(mediator)

@@ -286,6 +286,17 @@ async def rpc_every_engine(engine: Any, method: str, args: tuple) -> list:
     return [reply for replies in per_engine for reply in replies]
 
 
+def external_id(request_id: str) -> str:
+    """The id a request was added under, from the engine's own id for it: vLLM
+    appends ``-`` and eight hex digits (``InputProcessor.assign_request_id``), and
+    ``LLM.generate`` aborts by those ids the requests it had added when adding a
+    later one raised."""
+    stem, dash, suffix = request_id.rpartition("-")
+    if dash and len(suffix) == 8 and all(c in "0123456789abcdef" for c in suffix):
+        return stem
+    return request_id
+
+
 def patch_llm_engine() -> None:
     from vllm.v1.engine.llm_engine import LLMEngine
 
@@ -313,7 +324,10 @@ def patch_llm_engine() -> None:
         def abort_request(self: Any, request_ids: Any, *args: Any, **kwargs: Any) -> Any:
             result = original(self, request_ids, *args, **kwargs)
             if _policy is not None:
-                _policy.aborted(self, [request_ids] if isinstance(request_ids, str) else list(request_ids))
+                ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+                if kwargs.get("internal", args[0] if args else False):
+                    ids = [external_id(request_id) for request_id in ids]
+                _policy.aborted(self, ids)
             return result
 
         return abort_request
