@@ -226,7 +226,12 @@ def instrument() -> None:
     from vllm_nnsight_plugin.worker import _nnsight as worker_nnsight
     from vllm_nnsight_plugin.worker import live, lowering, runtime
 
-    wrap(client.VLLM, "_attach_mediators", "seal (client)")
+    # (a trace is sealed in parts as vLLM reads its requests, where the checkout does so)
+    wrap(
+        client.VLLM,
+        "_attach_part" if hasattr(client.VLLM, "_attach_part") else "_attach_mediators",
+        "seal (client)",
+    )
     wrap(client_nnsight, "_pickle_key", "seal: pickle keys")
     wrap(client.VLLM, "_claim_last_rows", "seal: prefix claims")
     wrap(llm_engine.LLMEngine, "add_request", "add_request (vLLM)")
