@@ -61,3 +61,11 @@ def test_only_a_single_read_that_keeps_is_gathered() -> None:
     steers = Lowered(site=0, start=0, stop=None, result=None, code=0, single=True)
     rows_each_step = Lowered(site=0, start=0, stop=None, result=None, code=1, name="rows", select=-1)
     assert not single_read(steers, 1) and not single_read(rows_each_step, 1)
+
+
+def test_rows_outside_the_store_are_refused_on_the_host():
+    """Never an index past the store on the device (a device-side assert there):
+    the collect then reads each request on its own."""
+    store = torch.randn(8, 4)
+    with pytest.raises(IndexError):
+        read_together(store, [(_read(6, None), 3), (_read(0, -1), 1)])

@@ -500,7 +500,7 @@ class VLLM(Edits, _NNsightVLLM):
         return claims if all(claims) else None
 
     def _say_untapped(self, mediators: list, said: set[str] | None = None) -> None:
-        """Before the requests go: warn of each location a block names that no tap of
+        """Before a block's request goes: warn of each location it names that no tap of
         this compiled engine serves. Such a block's steps run the whole forward as
         Python, for every request in them (or, on an engine started with
         ``VLLM_NNSIGHT_EAGER_STEPS=0``, the request is refused)."""

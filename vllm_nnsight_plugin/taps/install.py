@@ -476,7 +476,7 @@ class TapTables:
         the others are not here (ask :meth:`saves`)."""
         wanted = []
         for lowered, counted in taken:
-            if len(lowered.regions) > 1 and not lowered.replay:
+            if (len(lowered.regions) > 1 and not lowered.replay) or self.overflowed(lowered):
                 continue
             done = self._counted(lowered, counted)[1]
             if single_read(lowered, done):

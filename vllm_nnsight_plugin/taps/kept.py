@@ -191,7 +191,12 @@ def read_together(store: Any, reads: list[tuple[Lowered, int]]) -> list[dict[str
         if not ok:
             kept = np.arange(lowered.base, lowered.base + done, dtype=np.int64)
             rows.append(kept if lowered.select is None else kept[lowered.select])
-    index = torch.from_numpy(np.concatenate(rows))
+    index = np.concatenate(rows)
+    if index.size and (index.min() < 0 or index.max() >= store.shape[0]):
+        # (a slice of the store would stop at its end; an index past it on a GPU
+        # is a device-side assert, which ends the engine)
+        raise IndexError("a read's rows lie outside the store")
+    index = torch.from_numpy(index)
     if store.device.type == "cuda":
         index = index.pin_memory().to(store.device, non_blocking=True)
     data = store.index_select(0, index)
