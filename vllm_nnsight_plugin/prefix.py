@@ -130,10 +130,8 @@ def _stored(source: str) -> Counter:
 
 
 @functools.lru_cache(maxsize=256)
-@functools.lru_cache(maxsize=256)
 def names_used(source: str | None) -> tuple[str, ...]:
-    """The names a block's source reads (what of its captured values can matter);
-    asked once per invoke of a trace, so parsed once per block."""
+    """The names a block's source reads (what of its captured values can matter)."""
     try:
         tree = ast.parse(source or "")
     except SyntaxError:
